@@ -1,0 +1,42 @@
+# The two commands a new machine needs: `make demo` and `make test`. Both run `make setup` first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: setup test demo bench lint lock clean
+
+setup: $(STAMP)
+
+# Re-installs only when pyproject.toml or the lock changed; otherwise a no-op.
+$(STAMP): pyproject.toml requirements/lock-cpu.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade "pip>=24"
+	$(BIN)/python -m pip install -q -c requirements/lock-cpu.txt -e ".[all,dev]"
+	touch $(STAMP)
+
+lint: setup
+	$(BIN)/ruff check workbench tests benchmarks
+
+test: setup lint
+	$(BIN)/python -m pytest
+
+demo: setup
+	$(BIN)/python -m workbench demo --out runs/demo
+
+bench: setup
+	$(BIN)/python benchmarks/bench.py
+
+# Rebuild the lock from a fresh venv of the current pyproject (review the diff before committing).
+lock:
+	rm -rf /tmp/workbench-lock && $(PY) -m venv /tmp/workbench-lock
+	/tmp/workbench-lock/bin/python -m pip install -q --upgrade "pip>=24"
+	/tmp/workbench-lock/bin/python -m pip install -q torch==2.14.1 torchvision==0.29.1 ".[all,dev]"
+	/tmp/workbench-lock/bin/python -m pip check
+	{ echo "# Exact versions installed together on the CPU machine (Python 3.11, x86_64); pip check clean."; \
+	  echo "# Regenerate with: make lock   (used as pip constraints by make setup)"; \
+	  /tmp/workbench-lock/bin/python -m pip freeze --exclude-editable | grep -v "^workbench"; } > requirements/lock-cpu.txt
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,28 @@
+"""Optional dependencies: import them on use, and say which extra brings them when missing."""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+EXTRAS: dict[str, str] = {
+    "ray": "ray",
+    "boto3": "s3",
+    "ipywidgets": "notebook",
+    "papermill": "notebook",
+    "matplotlib": "viz",
+    "vllm": "gpu",
+}
+
+
+def require(module: str) -> ModuleType:
+    """Import `module`, or raise ImportError naming the extra (`pip install 'workbench[x]'`)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        top = module.split(".")[0]
+        extra = EXTRAS.get(top, "all")
+        raise ImportError(
+            f"{top!r} is needed for this feature but is not installed: "
+            f"pip install 'workbench[{extra}]' (or `make setup`)"
+        ) from err

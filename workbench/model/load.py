@@ -1,0 +1,74 @@
+"""Load a Qwen3-VL policy: the tiny default, a local checkpoint folder, or a hub id.
+
+All three go through `AutoModelForImageTextToText.from_pretrained` and
+`AutoProcessor.from_pretrained`, so the tiny default exercises the real loading path.
+`"tiny"` builds the embedded default into the cache on first use (see `workbench.model.tiny`).
+A hub id is passed through unchanged (transformers resolves it); tests and CI only use folders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench.model.tiny import TINY_NAME, tiny_path
+
+
+@dataclass
+class LoadedModel:
+    """A model with its processor and where it came from."""
+
+    model: Any  # Qwen3VLForConditionalGeneration (or a PeftModel around it)
+    processor: Any  # Qwen3VLProcessor
+    source: str  # what the user asked for ("tiny", a folder or a hub id)
+    path: str  # the folder or hub id actually loaded
+
+
+def resolve_model_path(name_or_path: str) -> str:
+    """Map "tiny" to the built default's folder; return folders and hub ids unchanged."""
+    if name_or_path == TINY_NAME:
+        return str(tiny_path())
+    return name_or_path
+
+
+def load_model(
+    name_or_path: str = TINY_NAME,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attn_implementation: str = "sdpa",
+) -> LoadedModel:
+    """Load model + processor from "tiny", a local folder, or a hub id; eval mode."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    path = resolve_model_path(name_or_path)
+    model = AutoModelForImageTextToText.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation
+    ).to(device)
+    processor = AutoProcessor.from_pretrained(path)
+    return LoadedModel(model=model.eval(), processor=processor, source=name_or_path, path=path)
+
+
+def weights_hash(model: torch.nn.Module) -> str:
+    """sha256 over parameter names, shapes and bytes: identifies a base model's weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def folder_hash(folder: str | Path) -> str:
+    """sha256 over the files of a checkpoint folder (names and bytes), for build determinism."""
+    digest = hashlib.sha256()
+    for file in sorted(Path(folder).rglob("*")):
+        if file.is_file():
+            digest.update(file.name.encode())
+            digest.update(file.read_bytes())
+    return digest.hexdigest()

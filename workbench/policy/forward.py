@@ -1,0 +1,116 @@
+"""Batched forward passes over streams, and the one log-probability rule sampler and trainer share.
+
+`token_logprobs` is the single definition of a token's log-probability: logits divided by the
+sampling temperature, the banned (vision special) tokens removed, log-softmax. The sampler
+reports it for every token it draws; the trainer recomputes it over the same stream. Before any
+update the two agree within float tolerance (tests/test_policy.py pins it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workbench.policy.stream import Stream
+
+
+@dataclass
+class Batch:
+    """Padded model inputs for B streams of up to L tokens."""
+
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    mm_types_BL: torch.Tensor
+    position_ids_3BL: torch.Tensor  # M-RoPE positions (temporal, height, width)
+    pixel_values: torch.Tensor | None  # all images, stream order then image order
+    grid_thw_N3: torch.Tensor | None
+    lengths_B: list[int]
+    left_padded: bool
+
+
+def core_model(model: Any) -> Any:
+    """The Qwen3VLModel inside a (possibly peft-wrapped) conditional-generation model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.model
+
+
+def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool) -> Batch:
+    """Pad streams to one batch (left padding for sampling, right for training)."""
+    lengths = [len(s) for s in streams]
+    L = max(lengths)
+    ids = torch.full((len(streams), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(streams), L), dtype=torch.long)
+    types = torch.zeros((len(streams), L), dtype=torch.long)
+    for b, s in enumerate(streams):
+        sl = slice(L - len(s), L) if left else slice(0, len(s))
+        ids[b, sl] = torch.tensor(s.tokens_T)
+        mask[b, sl] = 1
+        types[b, sl] = torch.tensor(s.mm_types_T)
+    images = [img for s in streams for img in s.images]
+    pixels = torch.cat([i.pixel_values for i in images]) if images else None
+    grid = torch.stack([i.grid_thw for i in images]) if images else None
+    device = model.device
+    positions, _ = core_model(model).get_rope_index(
+        ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
+    )
+    return Batch(
+        input_ids_BL=ids.to(device),
+        attention_mask_BL=mask.to(device),
+        mm_types_BL=types.to(device),
+        position_ids_3BL=positions.to(device),
+        pixel_values=pixels.to(device, model.dtype) if pixels is not None else None,
+        grid_thw_N3=grid.to(device) if grid is not None else None,
+        lengths_B=lengths,
+        left_padded=left,
+    )
+
+
+def forward_logits(model: Any, batch: Batch, **kwargs: Any) -> Any:
+    """One forward pass over a batch; returns the model output (logits_BLV, cache)."""
+    return model(
+        input_ids=batch.input_ids_BL,
+        attention_mask=batch.attention_mask_BL,
+        position_ids=batch.position_ids_3BL,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.grid_thw_N3,
+        mm_token_type_ids=batch.mm_types_BL,
+        **kwargs,
+    )
+
+
+def masked_log_softmax(
+    logits_BV: torch.Tensor, temperature: float, banned: tuple[int, ...]
+) -> torch.Tensor:
+    """log p over the vocabulary at `temperature` (1.0 for greedy), banned tokens at -inf."""
+    scaled = logits_BV.float() / (temperature if temperature > 0 else 1.0)
+    if banned:
+        scaled = scaled.index_fill(-1, torch.tensor(banned, device=scaled.device), float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)
+
+
+def token_logprobs(
+    model: Any,
+    streams: list[Stream],
+    temperature: float,
+    banned: tuple[int, ...],
+    pad_id: int,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-token log-probs of each stream's own tokens (position 0 gets 0) and entropies.
+
+    Returns two lists of B tensors of length T_b; differentiable when grads are enabled.
+    """
+    batch = make_batch(model, streams, pad_id, left=False)
+    logits_BLV = forward_logits(model, batch, use_cache=False).logits
+    logp_BLV = masked_log_softmax(logits_BLV[:, :-1], temperature, banned)
+    targets_BL = batch.input_ids_BL[:, 1:]
+    picked_BL = logp_BLV.gather(-1, targets_BL.unsqueeze(-1)).squeeze(-1)
+    finite = torch.where(torch.isfinite(logp_BLV), logp_BLV, torch.zeros_like(logp_BLV))
+    entropy_BL = -(logp_BLV.exp() * finite).sum(-1)
+    zero = picked_BL.new_zeros(len(streams), 1)
+    picked_BL = torch.cat([zero, picked_BL], dim=1)
+    entropy_BL = torch.cat([zero, entropy_BL], dim=1)
+    logps = [picked_BL[b, :n] for b, n in enumerate(batch.lengths_B)]
+    entropies = [entropy_BL[b, :n] for b, n in enumerate(batch.lengths_B)]
+    return logps, entropies

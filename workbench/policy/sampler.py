@@ -1,0 +1,209 @@
+"""A batched transformers sampler that keeps each stream's KV cache across turns.
+
+Streams only grow by appending, so the cache of everything already seen stays valid: each turn
+prefills only the new tokens (feedback, the new image, the assistant header) and decodes the reply.
+One batched cache holds B live rows; rows have different lengths, so the cache has holes (left
+padding of a turn's chunk, tokens fed after a row already finished) that the attention mask hides.
+Positions are explicit M-RoPE ids, advanced only by real tokens, so holes do not shift them.
+
+Each drawn token's log-probability is reported under the rule the trainer uses
+(`forward.masked_log_softmax`: temperature, vision special tokens banned); greedy decoding
+(temperature 0) reports log-probabilities at temperature 1. Randomness comes only from the
+`torch.Generator` passed in.
+
+    live = open_batch()
+    extend(model, live, streams, pad_id)
+    completions = decode(model, live, fmt, params, generator)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from workbench.policy.forward import core_model, masked_log_softmax
+from workbench.policy.kvcache import growable_cache
+from workbench.policy.stream import ChatFormat, Stream
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How replies are drawn."""
+
+    max_tokens: int = 8  # reply length cap (a move is one token in the tiny vocabulary)
+    temperature: float = 1.0  # 0 = greedy (argmax)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled reply."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" (emitted <|im_end|>) or "length"
+
+
+@dataclass
+class LiveBatch:
+    """KV cache and bookkeeping for B live streams (rows)."""
+
+    cache: Any = field(default_factory=growable_cache)
+    mask_BL: torch.Tensor | None = None  # 1 = real stream token in the cache, 0 = hole
+    next_pos_B: torch.Tensor | None = None  # M-RoPE position of each row's next token
+    consumed_B: list[int] = field(default_factory=list)  # stream tokens already in the cache
+    images_B: list[int] = field(default_factory=list)  # stream images already in the cache
+    logits_BV: torch.Tensor | None = None  # next-token logits after each row's last real token
+
+    @property
+    def rows(self) -> int:
+        return len(self.consumed_B)
+
+
+def open_batch() -> LiveBatch:
+    """An empty batch; the first `extend` sets its rows."""
+    return LiveBatch()
+
+
+def _chunk_inputs(streams: list[Stream], live: LiveBatch, pad_id: int) -> dict[str, Any]:
+    """Left-padded new tokens of each row, their modality types and their new images."""
+    starts = live.consumed_B or [0] * len(streams)
+    first_img = live.images_B or [0] * len(streams)
+    chunks = [s.tokens_T[c:] for s, c in zip(streams, starts)]
+    L = max(len(c) for c in chunks)
+    ids = torch.full((len(streams), L), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(streams), L), dtype=torch.long)
+    types = torch.zeros((len(streams), L), dtype=torch.long)
+    for b, (s, c) in enumerate(zip(streams, starts)):
+        n = len(s) - c
+        if n:
+            ids[b, L - n:] = torch.tensor(s.tokens_T[c:])
+            types[b, L - n:] = torch.tensor(s.mm_types_T[c:])
+            mask[b, L - n:] = 1
+    images = [img for s, k in zip(streams, first_img) for img in s.images[k:]]
+    return dict(ids=ids, mask=mask, types=types, images=images, empty=[len(c) == 0 for c in chunks])
+
+
+def extend(model: Any, live: LiveBatch, streams_B: list[Stream], pad_id: int) -> None:
+    """Prefill each row's tokens not yet in the cache (row b is streams_B[b])."""
+    x = _chunk_inputs(streams_B, live, pad_id)
+    grid = torch.stack([i.grid_thw for i in x["images"]]) if x["images"] else None
+    pixels = torch.cat([i.pixel_values for i in x["images"]]) if x["images"] else None
+    positions, _ = core_model(model).get_rope_index(
+        x["ids"], mm_token_type_ids=x["types"], image_grid_thw=grid, attention_mask=x["mask"]
+    )
+    B, device = len(streams_B), model.device
+    next_pos = live.next_pos_B if live.next_pos_B is not None else torch.zeros(B, dtype=torch.long)
+    positions = positions + next_pos.view(1, B, 1)
+    mask_BL = x["mask"] if live.mask_BL is None else torch.cat([live.mask_BL, x["mask"]], 1)
+    out = model(
+        input_ids=x["ids"].to(device),
+        attention_mask=mask_BL.to(device),
+        position_ids=positions.to(device),
+        past_key_values=live.cache,
+        pixel_values=pixels.to(device, model.dtype) if pixels is not None else None,
+        image_grid_thw=grid.to(device) if grid is not None else None,
+        mm_token_type_ids=x["types"].to(device),
+        use_cache=True,
+    )
+    empty = torch.tensor(x["empty"])
+    logits = out.logits[:, -1].float().cpu()
+    if live.logits_BV is not None:
+        logits = torch.where(empty[:, None], live.logits_BV, logits)
+    real_max = torch.where(x["mask"].bool().unsqueeze(0), positions, -1).amax(dim=(0, 2))
+    live.next_pos_B = torch.where(empty, next_pos, real_max + 1)
+    live.cache, live.mask_BL, live.logits_BV = out.past_key_values, mask_BL, logits
+    live.consumed_B = [len(s) for s in streams_B]
+    live.images_B = [len(s.images) for s in streams_B]
+
+
+def _draw(logp_BV: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
+    if greedy:
+        return logp_BV.argmax(-1)
+    return torch.multinomial(logp_BV.exp(), 1, generator=generator).squeeze(-1)
+
+
+def _feed(model: Any, live: LiveBatch, tok_B: torch.Tensor, real_B: torch.Tensor) -> None:
+    """Append one token per row to the cache; rows with real_B False get a hole."""
+    B, device = live.rows, model.device
+    live.mask_BL = torch.cat([live.mask_BL, real_B.long()[:, None]], dim=1)
+    out = model(
+        input_ids=tok_B[:, None].to(device),
+        attention_mask=live.mask_BL.to(device),
+        position_ids=live.next_pos_B.view(1, B, 1).expand(3, B, 1).to(device),
+        past_key_values=live.cache,
+        use_cache=True,
+    )
+    live.cache = out.past_key_values
+    live.logits_BV = torch.where(real_B[:, None], out.logits[:, -1].float().cpu(), live.logits_BV)
+    live.next_pos_B = live.next_pos_B + real_B.long()
+    live.consumed_B = [c + int(r) for c, r in zip(live.consumed_B, real_B.tolist())]
+
+
+@torch.no_grad()
+def decode(
+    model: Any,
+    live: LiveBatch,
+    fmt: ChatFormat,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> list[Completion]:
+    """Sample one reply per row from the cached state; the reply's tokens enter the cache
+    (all but the last, which the next `extend` feeds with the stream)."""
+    greedy = params.temperature <= 0
+    tokens_BT = [[] for _ in range(live.rows)]
+    logps_BT = [[] for _ in range(live.rows)]
+    done_B = torch.zeros(live.rows, dtype=torch.bool)
+    for step in range(params.max_tokens):
+        logp_BV = masked_log_softmax(live.logits_BV, params.temperature, fmt.banned)
+        tok_B = _draw(logp_BV, greedy, generator)
+        lp_B = logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
+        for b in (~done_B).nonzero().flatten().tolist():
+            tokens_BT[b].append(int(tok_B[b]))
+            logps_BT[b].append(float(lp_B[b]))
+        was_live_B = ~done_B
+        done_B = done_B | (tok_B == fmt.im_end)
+        if bool(done_B.all()) or step == params.max_tokens - 1:
+            break
+        _feed(model, live, tok_B, was_live_B)
+    return [
+        Completion(t, lp, "stop" if t and t[-1] == fmt.im_end else "length")
+        for t, lp in zip(tokens_BT, logps_BT)
+    ]
+
+
+def select_rows(live: LiveBatch, rows: list[int]) -> None:
+    """Keep only `rows` (e.g. drop finished episodes)."""
+    if rows == list(range(live.rows)):
+        return
+    index = torch.tensor(rows, dtype=torch.long)
+    live.cache.batch_select_indices(index.to(live.cache.layers[0].keys.device))
+    live.mask_BL = live.mask_BL[index]
+    live.next_pos_B = live.next_pos_B[index]
+    live.logits_BV = live.logits_BV[index]
+    live.consumed_B = [live.consumed_B[r] for r in rows]
+    live.images_B = [live.images_B[r] for r in rows]
+
+
+def repeat_rows(live: LiveBatch, n: int) -> None:
+    """Each row becomes n consecutive rows sharing its cached prefix (G samples per prompt)."""
+    select_rows(live, [r for r in range(live.rows) for _ in range(n)])
+
+
+@torch.no_grad()
+def sample(
+    model: Any,
+    fmt: ChatFormat,
+    streams: list[Stream],
+    n: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+    pad_id: int = 0,
+) -> list[list[Completion]]:
+    """Sample `n` replies for each stream (prefilled once): completions_P_n."""
+    live = open_batch()
+    extend(model, live, streams, pad_id)
+    repeat_rows(live, n)
+    completions = decode(model, live, fmt, params, generator)
+    return [completions[p * n:(p + 1) * n] for p in range(len(streams))]

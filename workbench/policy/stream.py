@@ -1,0 +1,152 @@
+"""Multi-turn conversation token streams, built only by appending.
+
+A `Stream` is the exact token sequence the policy saw and produced in one episode, in Qwen-VL's
+chat format:
+
+    <|im_start|>system\\n{rules}<|im_end|>\\n
+    <|im_start|>user\\n<|vision_start|><|image_pad|>*n<|vision_end|>{feedback}<|im_end|>\\n
+    <|im_start|>assistant\\n{sampled reply ... <|im_end|>}\\n
+    <|im_start|>user\\n ... (next turn)
+
+Each turn appends tokens; history is never re-rendered (re-rendering can change tokens and take
+the update silently off-policy). Beside the tokens the stream keeps a per-token modality type
+(0 text, 1 image), a loss mask (1 on sampled reply tokens only), the sampler's log-probabilities
+(0 elsewhere), and each image's processed pixels, so the trainer can re-run it exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """Token ids of the chat markup, read from a processor's tokenizer."""
+
+    im_start: int
+    im_end: int
+    newline: list[int]
+    vision_start: int
+    vision_end: int
+    image_pad: int
+    banned: tuple[int, ...]  # tokens the sampler never emits (vision specials, pad, im_start)
+    merge: int  # spatial merge size: image tokens = t * h * w / merge**2
+
+
+@dataclass(frozen=True)
+class VisionInput:
+    """One image as the vision tower takes it."""
+
+    pixel_values: torch.Tensor  # (patches, channels * temporal * patch * patch)
+    grid_thw: torch.Tensor  # (3,) temporal, height, width in patches
+
+    @property
+    def n_patches(self) -> int:
+        """Vision patches; the text stream holds n_patches / merge**2 image tokens."""
+        return int(self.grid_thw.prod().item())
+
+
+@dataclass(frozen=True)
+class Stream:
+    """One conversation's tokens and per-token side tables, all of length T."""
+
+    tokens_T: list[int] = field(default_factory=list)
+    mm_types_T: list[int] = field(default_factory=list)  # 0 text, 1 image
+    loss_mask_T: list[int] = field(default_factory=list)  # 1 = sampled (trainable) token
+    logprobs_T: list[float] = field(default_factory=list)  # sampler log-prob, 0.0 elsewhere
+    images: tuple[VisionInput, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.tokens_T)
+
+
+def chat_format(processor: Any) -> ChatFormat:
+    """Read the chat markup ids from a Qwen-VL processor (tiny or real)."""
+    tok = processor.tokenizer
+    ids = {name: tok.convert_tokens_to_ids(name) for name in (
+        "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+        "<|video_pad|>", "<|vision_pad|>", "<|endoftext|>",
+    )}
+    banned = tuple(sorted({
+        ids["<|vision_start|>"], ids["<|vision_end|>"], ids["<|image_pad|>"],
+        ids["<|video_pad|>"], ids["<|vision_pad|>"], ids["<|endoftext|>"], ids["<|im_start|>"],
+    }))
+    return ChatFormat(
+        im_start=ids["<|im_start|>"],
+        im_end=ids["<|im_end|>"],
+        newline=tok.encode("\n", add_special_tokens=False),
+        vision_start=ids["<|vision_start|>"],
+        vision_end=ids["<|vision_end|>"],
+        image_pad=ids["<|image_pad|>"],
+        banned=banned,
+        merge=processor.image_processor.merge_size,
+    )
+
+
+def encode_image(processor: Any, image_HW3: np.ndarray) -> VisionInput:
+    """Run the processor's image pipeline on one RGB uint8 image."""
+    out = processor.image_processor(images=[image_HW3], return_tensors="pt")
+    return VisionInput(pixel_values=out["pixel_values"], grid_thw=out["image_grid_thw"][0])
+
+
+def _append(
+    stream: Stream,
+    tokens: list[int],
+    mm_types: list[int] | None = None,
+    logprobs: list[float] | None = None,
+    images: tuple[VisionInput, ...] = (),
+) -> Stream:
+    trainable = logprobs is not None
+    return replace(
+        stream,
+        tokens_T=stream.tokens_T + list(tokens),
+        mm_types_T=stream.mm_types_T + (mm_types or [0] * len(tokens)),
+        loss_mask_T=stream.loss_mask_T + [int(trainable)] * len(tokens),
+        logprobs_T=stream.logprobs_T + (list(logprobs) if trainable else [0.0] * len(tokens)),
+        images=stream.images + images,
+    )
+
+
+def _text(processor: Any, text: str) -> list[int]:
+    return processor.tokenizer.encode(text, add_special_tokens=False)
+
+
+def start_stream(processor: Any, fmt: ChatFormat, system_text: str) -> Stream:
+    """A new stream holding the system message."""
+    tokens = [fmt.im_start, *_text(processor, "system\n" + system_text), fmt.im_end, *fmt.newline]
+    return _append(Stream(), tokens)
+
+
+def append_user(
+    stream: Stream,
+    processor: Any,
+    fmt: ChatFormat,
+    text: str,
+    image: VisionInput | None = None,
+) -> Stream:
+    """Append a user turn (optional image first, then text) and open the assistant turn."""
+    head = [fmt.im_start, *_text(processor, "user\n")]
+    vision, vision_types = [], []
+    if image is not None:
+        n = image.n_patches // fmt.merge**2
+        vision = [fmt.vision_start, *[fmt.image_pad] * n, fmt.vision_end]
+        vision_types = [0, *[1] * n, 0]
+    tail = [*_text(processor, text), fmt.im_end, *fmt.newline, fmt.im_start]
+    tail += _text(processor, "assistant\n")
+    tokens = head + vision + tail
+    types = [0] * len(head) + vision_types + [0] * len(tail)
+    return _append(stream, tokens, types, images=(image,) if image is not None else ())
+
+
+def append_reply(
+    stream: Stream, fmt: ChatFormat, tokens: list[int], logprobs: list[float]
+) -> Stream:
+    """Append the sampled reply (trainable) and close the turn; a reply cut by length gets
+    a masked <|im_end|> so the next turn starts on a clean boundary."""
+    stream = _append(stream, tokens, logprobs=logprobs)
+    closing = [] if tokens and tokens[-1] == fmt.im_end else [fmt.im_end]
+    return _append(stream, closing + fmt.newline)

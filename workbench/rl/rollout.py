@@ -1,0 +1,193 @@
+"""Play maze episodes: a model policy batched per turn, or a scripted policy (random, oracle).
+
+`play_model` runs G episodes for each of P mazes. Every turn, all live episodes are batched and
+each samples one reply; the reply is parsed, the environment steps, and the next observation
+(image + feedback + turn budget) is appended to the episode's token stream. Streams only grow by
+appending, so the record holds exactly the tokens the sampler saw and produced.
+
+    episodes_P_G = play_model(lm, MazeConfig(), eval_set(7, 8), n=4, params=SamplingParams())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from workbench.envs import Action, InitState, MazeConfig, MazeEnv, oracle_actions, system_prompt
+from workbench.envs.maze import Maze, step_pos
+from workbench.model.load import LoadedModel
+from workbench.policy import (
+    SamplingParams,
+    Stream,
+    append_reply,
+    append_user,
+    chat_format,
+    decode,
+    encode_image,
+    extend,
+    open_batch,
+    repeat_rows,
+    select_rows,
+    start_stream,
+)
+
+
+@dataclass
+class Episode:
+    """One played episode: what was seen, said and done, turn by turn."""
+
+    init_state: InitState
+    replies: list[str] = field(default_factory=list)  # raw text per turn
+    actions: list[Action] = field(default_factory=list)  # parsed per turn
+    feedback: list[str] = field(default_factory=list)  # environment text per turn
+    positions: list[tuple[int, int]] = field(default_factory=list)  # start, then after each turn
+    reward: float = 0.0  # episode reward (task and format terms)
+    success: bool = False  # solved under the config's reward rule
+    stream: Stream | None = None  # token stream (model policies only)
+
+    @property
+    def turns(self) -> int:
+        """Replies taken."""
+        return len(self.replies)
+
+
+def user_text(obs: dict[str, Any], info: dict[str, Any], config: MazeConfig) -> str:
+    """The user message after the image: feedback (from turn 2), turn budget, ascii maze."""
+    parts = [info["feedback"]] if info.get("feedback") else []
+    parts.append(info["budget_text"])
+    if config.observation == "ascii":
+        parts.append("\n" + obs["text"])
+    return " ".join(parts)
+
+
+def _observe(stream: Stream, lm: LoadedModel, fmt: Any, obs: dict, info: dict,
+             config: MazeConfig) -> Stream:
+    image = encode_image(lm.processor, obs["image"]) if config.observation == "image" else None
+    return append_user(stream, lm.processor, fmt, user_text(obs, info, config), image)
+
+
+def _record_step(ep: Episode, env: MazeEnv, reply: str) -> tuple[dict, dict]:
+    """Step the env with a reply and record it; returns (observation, info)."""
+    obs, reward, _, _, info = env.step(reply)
+    ep.replies.append(reply)
+    ep.actions.append(info["action"])
+    ep.feedback.append(info["feedback"])
+    ep.positions.append(env.pos)
+    if env.done:
+        ep.reward, ep.success = reward, info["success"]
+    return obs, info
+
+
+def play_model(
+    lm: LoadedModel,
+    config: MazeConfig,
+    init_states_P: list[InitState],
+    n: int,
+    params: SamplingParams,
+    generator: torch.Generator | None = None,
+) -> list[list[Episode]]:
+    """G = n episodes per maze, all live episodes decoded together each turn: episodes_P_G.
+
+    Each maze's first prompt is prefilled once and shared by its G rows; after that every turn
+    prefills only the new observation (KV cache kept across turns) and drops finished rows.
+    """
+    fmt = chat_format(lm.processor)
+    pad_id = lm.processor.tokenizer.pad_token_id
+    system = start_stream(lm.processor, fmt, system_prompt(config))
+    envs, episodes, first_streams = [], [], []
+    for state in init_states_P:
+        env = MazeEnv(config)
+        obs, info = env.reset(options={"init_state": state})
+        first_streams.append(_observe(system, lm, fmt, obs, info, config))
+        for _ in range(n):
+            env = MazeEnv(config)
+            env.reset(options={"init_state": state})
+            envs.append(env)
+            episodes.append(Episode(init_state=state, positions=[env.pos]))
+    streams = [s for s in first_streams for _ in range(n)]
+    live, rows = open_batch(), list(range(len(envs)))  # rows[b]: episode index of cache row b
+    extend(lm.model, live, first_streams, pad_id)
+    repeat_rows(live, n)
+    while rows:
+        completions = decode(lm.model, live, fmt, params, generator)
+        for i, done in zip(rows, completions):
+            reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
+            streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
+            obs, info = _record_step(episodes[i], envs[i], reply)
+            if not envs[i].done:
+                streams[i] = _observe(streams[i], lm, fmt, obs, info, config)
+            episodes[i].stream = streams[i]
+        keep = [b for b, i in enumerate(rows) if not envs[i].done]
+        rows = [rows[b] for b in keep]
+        if rows:
+            select_rows(live, keep)
+            extend(lm.model, live, [streams[i] for i in rows], pad_id)
+    return [episodes[p * n:(p + 1) * n] for p in range(len(init_states_P))]
+
+
+# A scripted policy picks the next reply text from (maze, position, rng).
+ScriptedPolicy = Callable[[Maze, tuple[int, int], MazeConfig, np.random.Generator], str]
+_WORDS = ("right", "up", "left", "down")
+_TUPLES = ("('move', 0)", "('move', 1)", "('move', 2)", "('move', 3)")
+
+
+def _move_text(direction: int, config: MazeConfig) -> str:
+    return (_WORDS if config.grammar == "keyword" else _TUPLES)[direction]
+
+
+def _stop_text(config: MazeConfig) -> str:
+    return "stop" if config.grammar == "keyword" else "('stop', 'stop')"
+
+
+def random_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
+                  rng: np.random.Generator) -> str:
+    """Uniform over the four moves (walls included)."""
+    return _move_text(int(rng.integers(4)), config)
+
+
+def random_open_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
+                       rng: np.random.Generator) -> str:
+    """Uniform over the moves that do not hit a wall."""
+    open_dirs = [d for d in range(4) if step_pos(maze, pos, d) != pos]
+    return _move_text(int(rng.choice(open_dirs)), config)
+
+
+def oracle_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
+                  rng: np.random.Generator) -> str:
+    """BFS shortest path from here; stop once on the goal."""
+    path = oracle_actions(maze, pos)
+    return _move_text(path[0].direction, config) if path else _stop_text(config)
+
+
+SCRIPTED: dict[str, ScriptedPolicy] = {
+    "random": random_policy,
+    "random_open": random_open_policy,
+    "oracle": oracle_policy,
+}
+
+
+def play_scripted(
+    policy: ScriptedPolicy,
+    config: MazeConfig,
+    init_states_P: list[InitState],
+    n: int = 1,
+    seed: int = 0,
+) -> list[list[Episode]]:
+    """n episodes per maze of a scripted policy: episodes_P_G."""
+    rng = np.random.default_rng(seed)
+    episodes_P_G = []
+    for state in init_states_P:
+        group = []
+        for _ in range(n):
+            env = MazeEnv(config)
+            env.reset(options={"init_state": state})
+            ep = Episode(init_state=state, positions=[env.pos])
+            while not env.done:
+                _record_step(ep, env, policy(env.maze, env.pos, config, rng))
+            group.append(ep)
+        episodes_P_G.append(group)
+    return episodes_P_G
