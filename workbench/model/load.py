@@ -69,6 +69,6 @@ def folder_hash(folder: str | Path) -> str:
     digest = hashlib.sha256()
     for file in sorted(Path(folder).rglob("*")):
         if file.is_file():
-            digest.update(file.name.encode())
+            digest.update(file.relative_to(folder).as_posix().encode())
             digest.update(file.read_bytes())
     return digest.hexdigest()

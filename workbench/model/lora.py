@@ -40,8 +40,9 @@ def add_lora(model: Any, settings: LoraSettings = LoraSettings()) -> Any:
         target_modules=settings.target_regex,
         bias="none",
     )
-    torch.manual_seed(settings.init_seed)
-    return get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):  # seeded A init without touching global RNG
+        torch.manual_seed(settings.init_seed)
+        return get_peft_model(model, config)
 
 
 def load_adapter(model: Any, folder: str | Path, trainable: bool = False) -> Any:

@@ -21,7 +21,7 @@ class Batch:
     """Padded model inputs for B streams of up to L tokens."""
 
     input_ids_BL: torch.Tensor
-    attention_mask_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor | None
     mm_types_BL: torch.Tensor
     position_ids_3BL: torch.Tensor  # M-RoPE positions (temporal, height, width)
     pixel_values: torch.Tensor | None  # all images, stream order then image order
@@ -102,6 +102,9 @@ def token_logprobs(
     Returns two lists of B tensors of length T_b; differentiable when grads are enabled.
     """
     batch = make_batch(model, streams, pad_id, left=False)
+    # Right padding + causal attention: real tokens never see the pads, so no mask is needed,
+    # and SDPA takes its fused causal kernel (identical values on real tokens, ~25% faster).
+    batch.attention_mask_BL = None
     logits_BLV = forward_logits(model, batch, use_cache=False).logits
     logp_BLV = masked_log_softmax(logits_BLV[:, :-1], temperature, banned)
     targets_BL = batch.input_ids_BL[:, 1:]

@@ -85,6 +85,7 @@ def _chunk_inputs(streams: list[Stream], live: LiveBatch, pad_id: int) -> dict[s
     return dict(ids=ids, mask=mask, types=types, images=images, empty=[len(c) == 0 for c in chunks])
 
 
+@torch.no_grad()
 def extend(model: Any, live: LiveBatch, streams_B: list[Stream], pad_id: int) -> None:
     """Prefill each row's tokens not yet in the cache (row b is streams_B[b])."""
     x = _chunk_inputs(streams_B, live, pad_id)

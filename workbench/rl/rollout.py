@@ -64,10 +64,11 @@ def user_text(obs: dict[str, Any], info: dict[str, Any], config: MazeConfig) -> 
     return " ".join(parts)
 
 
-def _observe(stream: Stream, lm: LoadedModel, fmt: Any, obs: dict, info: dict,
-             config: MazeConfig) -> Stream:
-    image = encode_image(lm.processor, obs["image"]) if config.observation == "image" else None
-    return append_user(stream, lm.processor, fmt, user_text(obs, info, config), image)
+def observe(stream: Stream, processor: Any, fmt: Any, obs: dict, info: dict,
+            config: MazeConfig) -> Stream:
+    """Append the user turn for an observation: its image (if shown) and user_text."""
+    image = encode_image(processor, obs["image"]) if config.observation == "image" else None
+    return append_user(stream, processor, fmt, user_text(obs, info, config), image)
 
 
 def _record_step(ep: Episode, env: MazeEnv, reply: str) -> tuple[dict, dict]:
@@ -82,6 +83,7 @@ def _record_step(ep: Episode, env: MazeEnv, reply: str) -> tuple[dict, dict]:
     return obs, info
 
 
+@torch.no_grad()
 def play_model(
     lm: LoadedModel,
     config: MazeConfig,
@@ -102,7 +104,7 @@ def play_model(
     for state in init_states_P:
         env = MazeEnv(config)
         obs, info = env.reset(options={"init_state": state})
-        first_streams.append(_observe(system, lm, fmt, obs, info, config))
+        first_streams.append(observe(system, lm.processor, fmt, obs, info, config))
         for _ in range(n):
             env = MazeEnv(config)
             env.reset(options={"init_state": state})
@@ -119,7 +121,7 @@ def play_model(
             streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
             obs, info = _record_step(episodes[i], envs[i], reply)
             if not envs[i].done:
-                streams[i] = _observe(streams[i], lm, fmt, obs, info, config)
+                streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config)
             episodes[i].stream = streams[i]
         keep = [b for b, i in enumerate(rows) if not envs[i].done]
         rows = [rows[b] for b in keep]

@@ -1,0 +1,257 @@
+"""Run configuration: dotted overrides, validation messages, presets, round trips, the CLI."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from workbench.config import (
+    CHOICES,
+    PRESETS,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    describe_keys,
+    field_docs,
+    flat_keys,
+    from_dict,
+    to_dict,
+)
+from workbench.envs import MazeConfig
+
+SECTIONS = ("model", "lora", "env", "generator", "trainer", "eval", "sft")
+
+# ------------------------------------------------------------------------- overrides
+
+
+def test_overrides_set_nested_values_with_their_types() -> None:
+    cfg = apply_overrides(RunConfig(), [
+        "generator.max_turns=10",  # int
+        "trainer.learning_rate=1e-3",  # float
+        "eval.greedy=false",  # bool
+        "sft.full_finetune=TRUE",  # bool, any case
+        "model.name=runs/sft/model",  # str
+        "env.format_weight=0.2",
+        "run_dir=runs/x",  # a top-level key
+    ])
+    assert cfg.generator.max_turns == 10 and type(cfg.generator.max_turns) is int
+    assert cfg.trainer.learning_rate == 1e-3 and type(cfg.trainer.learning_rate) is float
+    assert cfg.eval.greedy is False
+    assert cfg.sft.full_finetune is True
+    assert cfg.model.name == "runs/sft/model"
+    assert cfg.env.format_weight == 0.2
+    assert cfg.run_dir == "runs/x"
+    # everything else keeps its default
+    changed = {"generator.max_turns", "trainer.learning_rate", "eval.greedy",
+               "sft.full_finetune", "model.name", "env.format_weight", "run_dir"}
+    before, after = flat_keys(RunConfig()), flat_keys(cfg)
+    assert {k for k in before if before[k] != after[k]} == changed - {"sft.full_finetune"}
+
+
+def test_overrides_leave_the_input_untouched_and_apply_in_order() -> None:
+    base = RunConfig()
+    cfg = apply_overrides(base, ["lora.rank=8", "lora.rank=16", "--lora.alpha=4"])
+    assert (cfg.lora.rank, cfg.lora.alpha) == (16, 4)
+    assert base == RunConfig()
+    assert apply_overrides(base, []) == base
+
+
+@pytest.mark.parametrize("raw,expected", [("true", True), ("false", False), ("1", True),
+                                          ("0", False), ("False", False)])
+def test_bool_coercion(raw: str, expected: bool) -> None:
+    assert apply_overrides(RunConfig(), [f"eval.greedy={raw}"]).eval.greedy is expected
+
+
+def test_bool_rejects_other_words() -> None:
+    with pytest.raises(ConfigError, match="eval.greedy"):
+        apply_overrides(RunConfig(), ["eval.greedy=yes"])
+
+
+def test_unknown_key_names_close_match_and_section_keys() -> None:
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["generator.max_turn=3"])
+    msg = str(err.value)
+    assert "generator.max_turn" in msg
+    assert "did you mean generator.max_turns" in msg
+    for name in (f.name for f in dataclasses.fields(RunConfig().generator)):
+        assert f"generator.{name}" in msg
+    assert "trainer.total_steps" not in msg  # only the section's keys are listed
+
+
+def test_unknown_section_lists_every_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["nosuch.thing=1"])
+    for key in flat_keys(RunConfig()):
+        assert key in str(err.value)
+
+
+def test_override_without_equals_sign_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="section.key=value"):
+        apply_overrides(RunConfig(), ["trainer.total_steps"])
+
+
+def test_bad_choice_names_the_closest_choice() -> None:
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["trainer.loss=ppx"])
+    msg = str(err.value)
+    assert "trainer.loss" in msg and "'ppo'" in msg and "ppx" in msg
+
+
+@pytest.mark.parametrize("key", sorted(CHOICES))
+def test_every_choice_is_accepted_and_others_rejected(key: str) -> None:
+    for value in CHOICES[key]:
+        extra = ["trainer.resume_path=some/dir"] if value == "from_path" else []
+        cfg = apply_overrides(RunConfig(), [f"{key}={value}", *extra])
+        assert flat_keys(cfg)[key] == value
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        apply_overrides(RunConfig(), [f"{key}=not_a_choice"])
+
+
+def test_wrong_type_names_the_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        apply_overrides(RunConfig(), ["trainer.total_steps=abc"])
+    msg = str(err.value)
+    assert "trainer.total_steps" in msg and "int" in msg and "abc" in msg
+
+
+def test_float_for_int_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="lora.rank"):
+        apply_overrides(RunConfig(), ["lora.rank=3.5"])
+
+
+def test_one_sample_per_prompt_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="n_samples_per_prompt"):
+        apply_overrides(RunConfig(), ["generator.n_samples_per_prompt=1"])
+    assert apply_overrides(RunConfig(), ["generator.n_samples_per_prompt=2"]) \
+        .generator.n_samples_per_prompt == 2
+
+
+@pytest.mark.parametrize("key", ["generator.max_turns", "generator.max_tokens",
+                                 "trainer.train_batch_size", "trainer.minibatch",
+                                 "eval.n_mazes", "lora.rank"])
+def test_non_positive_counts_are_rejected(key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        apply_overrides(RunConfig(), [f"{key}=0"])
+
+
+def test_resume_from_path_needs_a_path() -> None:
+    with pytest.raises(ConfigError, match="resume_path"):
+        apply_overrides(RunConfig(), ["trainer.resume_mode=from_path"])
+    cfg = apply_overrides(RunConfig(), ["trainer.resume_mode=from_path",
+                                        "trainer.resume_path=runs/x/checkpoints/step_4"])
+    assert cfg.trainer.resume_path == "runs/x/checkpoints/step_4"
+
+
+def test_bad_env_values_surface_as_config_errors() -> None:
+    with pytest.raises(ConfigError, match="env"):
+        apply_overrides(RunConfig(), ["env.format_weight=1.5"])
+
+
+# ---------------------------------------------------------------- presets, round trips
+
+
+@pytest.mark.parametrize("name", ["tiny", "seed_gpu"])
+def test_dict_round_trip(name: str) -> None:
+    cfg = PRESETS[name]
+    data = to_dict(cfg)
+    assert json.loads(json.dumps(data)) == data  # JSON-ready
+    assert from_dict(data) == cfg
+    assert from_dict(json.loads(json.dumps(data))) == cfg
+
+
+def test_dict_round_trip_of_changed_values() -> None:
+    cfg = apply_overrides(PRESETS["seed_gpu"], [
+        "trainer.resume_mode=from_path", "trainer.resume_path=runs/a b/ckpt",
+        "eval.greedy=false", "trainer.learning_rate=2.5e-06", "run_dir=runs/elsewhere"])
+    assert from_dict(to_dict(cfg)) == cfg
+
+
+def test_from_dict_rejects_unknown_keys() -> None:
+    data = to_dict(RunConfig())
+    data["trainer"]["total_step"] = 3
+    with pytest.raises(ConfigError, match="total_steps"):
+        from_dict(data)
+
+
+def test_tiny_preset_is_the_default() -> None:
+    assert PRESETS["tiny"] == RunConfig()
+
+
+def test_maze_takes_the_generators_turn_budget() -> None:
+    cfg = RunConfig()
+    assert cfg.maze == MazeConfig(size=7, px_per_cell=32, grammar="keyword", max_turns=15,
+                                  reward="reach_goal", format_weight=0.0, observation="image")
+    assert cfg.maze.max_turns == cfg.generator.max_turns
+    assert apply_overrides(cfg, ["generator.max_turns=6"]).maze.max_turns == 6
+
+
+def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
+    cfg = PRESETS["seed_gpu"]
+    assert cfg.model.name == "Qwen/Qwen3-VL-8B-Instruct"
+    assert (cfg.lora.rank, cfg.lora.alpha) == (32, 64)
+    assert cfg.generator.n_samples_per_prompt == 8
+    assert cfg.generator.max_turns == 15 and cfg.maze.max_turns == 15
+    assert cfg.generator.temperature == 0.7
+    assert (cfg.trainer.ckpt_interval, cfg.trainer.hf_save_interval) == (20, 20)
+    assert cfg.trainer.eval_interval == 10
+    assert cfg.eval.n_mazes == 64
+    assert cfg.env.size == 9 and cfg.maze.size == 9
+    assert (cfg.env.px_per_cell, cfg.env.grammar, cfg.env.reward) == (25, "tuple", "stop_on_goal")
+    assert cfg.env.format_weight == 0.2  # reward 0.8 task + 0.2 format
+    assert cfg.sft.full_finetune is False
+
+
+# ------------------------------------------------------------------------- help text
+
+
+@pytest.mark.parametrize("section", SECTIONS)
+def test_every_field_has_a_docstring(section: str) -> None:
+    cls = type(getattr(RunConfig(), section))
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        assert docs.get(f.name, "").strip(), f"{section}.{f.name} has no docstring"
+
+
+def test_describe_keys_lists_every_key_with_default_and_help() -> None:
+    cfg = RunConfig()
+    lines = describe_keys(cfg).splitlines()
+    keys = flat_keys(cfg)
+    assert len(lines) == len(keys)
+    by_key = {line.split("=", 1)[0].strip(): line for line in lines}
+    assert set(by_key) == set(keys)
+    for section in SECTIONS:
+        sub = getattr(cfg, section)
+        docs = field_docs(type(sub))
+        for f in dataclasses.fields(sub):
+            line = by_key[f"{section}.{f.name}"]
+            assert line.strip().startswith(f"{section}.{f.name}={getattr(sub, f.name)}")
+            assert docs[f.name] in line
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "workbench", *args], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_cli_train_help_lists_the_keys() -> None:
+    out = _cli("train", "--help")
+    assert out.returncode == 0, out.stderr
+    assert "generator.n_samples_per_prompt" in out.stdout
+    assert "trainer.resume_mode" in out.stdout
+
+
+def test_cli_unknown_key_exits_2_with_a_hint() -> None:
+    out = _cli("train", "generator.max_turn=3")
+    assert out.returncode == 2
+    assert "did you mean" in out.stderr
+    assert "generator.max_turns" in out.stderr
+    assert "Traceback" not in out.stderr

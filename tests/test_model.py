@@ -1,0 +1,232 @@
+"""The tiny Qwen3-VL: deterministic build, real loading path, tokenizer, round trips, LoRA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.envs import MazeConfig, MazeEnv, system_prompt
+from workbench.model import (
+    LoadedModel,
+    LoraSettings,
+    TinySpec,
+    add_lora,
+    build_tiny,
+    folder_hash,
+    load_adapter,
+    load_model,
+    resolve_model_path,
+    weights_hash,
+)
+from workbench.model.tiny import tiny_path
+from workbench.model.tokenizer import ACTION_WORDS, SPECIAL_TOKENS
+from workbench.policy import append_user, chat_format, encode_image, start_stream
+from workbench.policy.forward import forward_logits, make_batch
+from workbench.rl import user_text
+
+CONFIG = MazeConfig(size=7)  # 7x7 at 32 px: a 224x224 image
+
+
+def _observation(seed: int = 3) -> tuple[dict, dict]:
+    env = MazeEnv(CONFIG)
+    return env.reset(seed=seed)
+
+
+def _stream(lm: LoadedModel):
+    """System + one user turn with the maze image (the assistant turn opened)."""
+    fmt = chat_format(lm.processor)
+    obs, info = _observation()
+    stream = start_stream(lm.processor, fmt, system_prompt(CONFIG))
+    image = encode_image(lm.processor, obs["image"])
+    return append_user(stream, lm.processor, fmt, user_text(obs, info, CONFIG), image)
+
+
+@torch.no_grad()
+def _logits(model, lm: LoadedModel) -> torch.Tensor:
+    """Logits over the fixed image stream, (1, T, V)."""
+    pad_id = lm.processor.tokenizer.pad_token_id
+    batch = make_batch(model, [_stream(lm)], pad_id, left=False)
+    return forward_logits(model, batch, use_cache=False).logits
+
+
+# ---------------------------------------------------------------- build and loading path
+
+
+def test_build_is_deterministic(tiny, tiny_dir: Path, tmp_path: Path) -> None:
+    again = build_tiny(tmp_path / "again")
+    assert folder_hash(again) == folder_hash(tiny_dir)
+    assert weights_hash(load_model(str(again)).model) == weights_hash(tiny.model)
+
+
+def test_other_seed_gives_other_weights(tiny, tmp_path: Path) -> None:
+    spec = TinySpec(seed=1)
+    assert spec.build_hash != TinySpec().build_hash
+    other = load_model(str(build_tiny(tmp_path / "seed1", spec)))
+    assert weights_hash(other.model) != weights_hash(tiny.model)
+
+
+def test_weights_hash_sees_one_changed_value(tiny_dir: Path) -> None:
+    model = load_model(str(tiny_dir)).model
+    before = weights_hash(model)
+    with torch.no_grad():
+        model.lm_head.weight[0, 0] += 1.0
+    assert weights_hash(model) != before
+
+
+def test_loads_through_auto_classes(tiny_dir: Path) -> None:
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_dir))
+    processor = AutoProcessor.from_pretrained(str(tiny_dir))
+    assert type(model).__name__ == "Qwen3VLForConditionalGeneration"
+    assert type(processor).__name__ == "Qwen3VLProcessor"
+    image_processor = processor.image_processor
+    assert image_processor.patch_size == 16
+    assert image_processor.merge_size == 2
+    assert list(image_processor.image_mean) == [0.5, 0.5, 0.5]
+    assert list(image_processor.image_std) == [0.5, 0.5, 0.5]
+
+
+def test_maze_image_is_one_token_per_square(tiny) -> None:
+    obs, _ = _observation()
+    assert obs["image"].shape == (224, 224, 3)
+    image = encode_image(tiny.processor, obs["image"])
+    assert image.grid_thw.tolist() == [1, 14, 14]
+    assert image.n_patches == 196
+    assert image.pixel_values.shape == (196, 3 * 2 * 16 * 16)
+    fmt = chat_format(tiny.processor)
+    assert fmt.merge == 2
+    stream = _stream(tiny)
+    assert stream.tokens_T.count(fmt.image_pad) == 49 == CONFIG.size**2
+
+
+def test_load_tiny_by_name_uses_cache(tiny_dir: Path, workbench_cache: Path) -> None:
+    assert resolve_model_path("tiny") == str(tiny_dir)
+    assert Path(resolve_model_path("tiny")).is_relative_to(workbench_cache)
+    assert resolve_model_path("/some/folder") == "/some/folder"
+    assert resolve_model_path("Qwen/Qwen3-VL-8B-Instruct") == "Qwen/Qwen3-VL-8B-Instruct"
+    lm = load_model("tiny")
+    assert (lm.source, lm.path) == ("tiny", str(tiny_dir))
+    assert tiny_path() == tiny_dir  # second call reuses the built folder
+
+
+# ---------------------------------------------------------------- tokenizer
+
+
+def test_action_words_are_single_tokens(tiny) -> None:
+    tok = tiny.processor.tokenizer
+    ids = {w: tok.encode(w, add_special_tokens=False) for w in ("up", "down", "left", "right",
+                                                                  "stop", "move")}
+    assert set(ids) == set(ACTION_WORDS)
+    assert all(len(v) == 1 for v in ids.values()), ids
+    assert len({v[0] for v in ids.values()}) == 6
+    assert all(tok.decode(v) == w for w, v in ids.items())
+
+
+def test_special_tokens_are_ids_0_to_17(tiny) -> None:
+    tok = tiny.processor.tokenizer
+    assert len(SPECIAL_TOKENS) == 18
+    for i, name in enumerate(SPECIAL_TOKENS):
+        assert tok.encode(name, add_special_tokens=False) == [i], name
+        assert tok.convert_ids_to_tokens(i) == name
+    assert tok.pad_token_id == 0
+    assert tok.eos_token_id == SPECIAL_TOKENS.index("<|im_end|>") == 2
+
+
+@pytest.mark.parametrize("text", [
+    "héllo wörld ✓ 🙂",
+    "日本語のテキスト、混在 mixed",
+    "  tabs\tand\nnewlines \r\n  ",
+    "Ω≈ç√∫ \x00\x7f zero-width\u200bjoiner",
+    "('move', 0) <action>up</action>",
+])
+def test_byte_level_round_trip(tiny, text: str) -> None:
+    tok = tiny.processor.tokenizer
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+# ---------------------------------------------------------------- chat format agreement
+
+
+def test_stream_matches_processor_chat_template(tiny) -> None:
+    """The stream is token for token what the processor renders (true for a real checkpoint)."""
+    processor = tiny.processor
+    obs, info = _observation()
+    text = user_text(obs, info, CONFIG)
+    messages = [
+        {"role": "system", "content": system_prompt(CONFIG)},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]},
+    ]
+    rendered = processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    out = processor(text=[rendered], images=[obs["image"]], return_tensors="pt")
+    stream = _stream(tiny)
+    assert out["input_ids"][0].tolist() == stream.tokens_T
+    assert out["mm_token_type_ids"][0].tolist() == stream.mm_types_T
+    assert torch.equal(out["image_grid_thw"][0], stream.images[0].grid_thw)
+    assert torch.equal(out["pixel_values"], stream.images[0].pixel_values)
+
+
+# ---------------------------------------------------------------- save / load round trip
+
+
+def test_save_load_gives_identical_logits(tiny, tmp_path: Path) -> None:
+    tiny.model.save_pretrained(tmp_path)
+    tiny.processor.save_pretrained(tmp_path)
+    again = load_model(str(tmp_path))
+    assert weights_hash(again.model) == weights_hash(tiny.model)
+    assert torch.equal(_logits(again.model, again), _logits(tiny.model, tiny))
+
+
+# ---------------------------------------------------------------- LoRA
+
+# rank 8 on q,k,v,o (128 -> 128) and gate, up (128 -> 384), down (384 -> 128) in 4 layers
+LORA_PARAMS = 4 * 8 * (4 * (128 + 128) + 3 * (128 + 384))
+
+
+def _perturb_lora_B(model, scale: float = 0.05) -> None:
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(scale * torch.randn_like(param))
+
+
+def test_lora_trains_only_language_adapters(tiny_dir: Path) -> None:
+    model = add_lora(load_model(str(tiny_dir)).model, LoraSettings(rank=8, alpha=16))
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert not any("visual" in n for n in trainable)
+    assert all("language_model" in n for n in trainable)
+    assert len(trainable) == 4 * 7 * 2  # layers x projections x (A, B)
+    assert sum(p.numel() for p in trainable.values()) == LORA_PARAMS
+    lora_B = [p for n, p in trainable.items() if "lora_B" in n]
+    assert len(lora_B) == 28 and all(bool((p == 0).all()) for p in lora_B)
+    assert not any("lora_" in n for n, _ in model.named_parameters() if "visual" in n)
+
+
+def test_lora_settings_regex_targets_language_model_only() -> None:
+    regex = LoraSettings(target_modules=("q_proj", "down_proj")).target_regex
+    assert regex == r".*language_model.*\.(q_proj|down_proj)"
+
+
+def test_lora_round_trip(tiny, tiny_dir: Path, tmp_path: Path) -> None:
+    base_logits = _logits(tiny.model, tiny)
+    lm = load_model(str(tiny_dir))
+    model = add_lora(lm.model, LoraSettings(rank=8, alpha=16))
+    assert torch.equal(_logits(model, lm), base_logits)  # B = 0: the adapter adds exactly 0
+
+    _perturb_lora_B(model)
+    perturbed = _logits(model, lm)
+    assert (perturbed - base_logits).abs().max().item() > 1e-3
+
+    model.save_pretrained(tmp_path / "adapter")
+    assert (tmp_path / "adapter" / "adapter_config.json").is_file()
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+
+    fresh = load_model(str(tiny_dir))
+    reloaded = load_adapter(fresh.model, tmp_path / "adapter")
+    assert not any(p.requires_grad for p in reloaded.parameters())  # trainable=False
+    assert torch.allclose(_logits(reloaded, fresh), perturbed, rtol=0, atol=1e-6)

@@ -1,0 +1,385 @@
+"""The policy: append-only streams, the batched KV-cached sampler, and the shared log-prob rule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
+from workbench.model import LoadedModel, LoraSettings, add_lora, load_model
+from workbench.policy import (
+    ChatFormat,
+    SamplingParams,
+    Stream,
+    append_reply,
+    append_user,
+    chat_format,
+    decode,
+    encode_image,
+    extend,
+    masked_log_softmax,
+    open_batch,
+    sample,
+    select_rows,
+    start_stream,
+    token_logprobs,
+)
+from workbench.rl import play_model, user_text
+
+SMALL = MazeConfig(size=5, max_turns=4)  # 5x5 at 32 px: 25 image tokens per observation
+
+
+@pytest.fixture(scope="module")
+def fmt(tiny) -> ChatFormat:
+    return chat_format(tiny.processor)
+
+
+@pytest.fixture(scope="module")
+def pad_id(tiny) -> int:
+    return tiny.processor.tokenizer.pad_token_id
+
+
+def _first_stream(lm: LoadedModel, fmt: ChatFormat, seed: int, config: MazeConfig = SMALL,
+                  system: str | None = None) -> tuple[Stream, MazeEnv]:
+    env = MazeEnv(config)
+    obs, info = env.reset(seed=seed)
+    stream = start_stream(lm.processor, fmt, system if system is not None else
+                          system_prompt(config))
+    image = encode_image(lm.processor, obs["image"])
+    return append_user(stream, lm.processor, fmt, user_text(obs, info, config), image), env
+
+
+def _next_turn(lm: LoadedModel, fmt: ChatFormat, stream: Stream, env: MazeEnv,
+               reply: str) -> Stream:
+    obs, _, _, _, info = env.step(reply)
+    image = encode_image(lm.processor, obs["image"])
+    return append_user(stream, lm.processor, fmt, user_text(obs, info, env.config), image)
+
+
+# ---------------------------------------------------------------- chat format and streams
+
+
+def test_chat_format_ids(fmt: ChatFormat) -> None:
+    assert (fmt.im_start, fmt.im_end, fmt.vision_start, fmt.vision_end, fmt.image_pad) == (
+        1, 2, 9, 10, 12)
+    assert len(fmt.newline) == 1
+    # endoftext, im_start, vision start/end/pad, image_pad, video_pad
+    assert fmt.banned == (0, 1, 9, 10, 11, 12, 13)
+    assert fmt.im_end not in fmt.banned
+    assert fmt.merge == 2
+
+
+def test_stream_side_tables_and_masks(tiny, fmt: ChatFormat) -> None:
+    tok = tiny.processor.tokenizer
+    stream, env = _first_stream(tiny, fmt, seed=0)
+    n_prompt = len(stream)
+    up, stop = tok.encode("up", add_special_tokens=False), tok.encode("stop",
+                                                                        add_special_tokens=False)
+    # a reply that closed itself with <|im_end|>
+    stream = append_reply(stream, fmt, [*up, fmt.im_end], [-0.5, -0.25])
+    assert stream.tokens_T[n_prompt:] == [*up, fmt.im_end, *fmt.newline]
+    n_first = len(stream)
+    stream = _next_turn(tiny, fmt, stream, env, "up")
+    n_second_prompt = len(stream)
+    # a reply cut by length: a masked <|im_end|> then the newline are appended
+    stream = append_reply(stream, fmt, [*stop, *up], [-1.0, -2.0])
+    assert stream.tokens_T[n_second_prompt:] == [*stop, *up, fmt.im_end, *fmt.newline]
+
+    T = len(stream)
+    assert len(stream.mm_types_T) == len(stream.loss_mask_T) == len(stream.logprobs_T) == T
+    reply_at = [n_prompt, n_prompt + 1, n_second_prompt, n_second_prompt + 1]
+    assert [t for t in range(T) if stream.loss_mask_T[t] == 1] == reply_at
+    assert [stream.logprobs_T[t] for t in reply_at] == [-0.5, -0.25, -1.0, -2.0]
+    assert all(stream.logprobs_T[t] == 0.0 for t in range(T) if t not in reply_at)
+    assert stream.loss_mask_T[n_second_prompt + 2] == 0  # the added <|im_end|>
+    image_at = [t for t in range(T) if stream.tokens_T[t] == fmt.image_pad]
+    assert [t for t in range(T) if stream.mm_types_T[t] == 1] == image_at
+    assert len(image_at) == 2 * 25 and len(stream.images) == 2
+    assert stream.tokens_T.count(fmt.vision_start) == stream.tokens_T.count(fmt.vision_end) == 2
+    assert n_first < n_second_prompt
+
+
+def test_append_is_pure(tiny, fmt: ChatFormat) -> None:
+    """Appending returns a new stream; the old one (shared by G rows) is unchanged."""
+    stream, _ = _first_stream(tiny, fmt, seed=0)
+    snapshot = (list(stream.tokens_T), list(stream.loss_mask_T), len(stream.images))
+    append_reply(stream, fmt, [fmt.im_end], [-1.0])
+    append_user(stream, tiny.processor, fmt, "hi")
+    assert (stream.tokens_T, stream.loss_mask_T, len(stream.images)) == (
+        snapshot[0], snapshot[1], snapshot[2])
+
+
+# ---------------------------------------------------------------- masked_log_softmax
+
+
+def test_masked_log_softmax_hand_example() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
+    logp = masked_log_softmax(logits, 2.0, (1,))
+    z = math.log(math.exp(0.5) + math.exp(1.5) + math.exp(2.0))
+    expected = torch.tensor([[0.5 - z, -math.inf, 1.5 - z, 2.0 - z]])
+    assert torch.isneginf(logp[0, 1])
+    assert torch.allclose(logp, expected, atol=1e-6)
+    # temperature 0 (greedy) reports log-probs at temperature 1
+    z1 = math.log(math.exp(1.0) + math.exp(3.0) + math.exp(4.0))
+    assert torch.allclose(masked_log_softmax(logits, 0.0, (1,)),
+                          torch.tensor([[1.0 - z1, -math.inf, 3.0 - z1, 4.0 - z1]]), atol=1e-6)
+    # no banned ids: a plain log-softmax
+    assert torch.allclose(masked_log_softmax(logits, 1.0, ()), torch.log_softmax(logits, -1))
+
+
+def test_masked_log_softmax_banned_and_normalised() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50) * 4
+    banned = (0, 7, 49)
+    for temperature in (0.5, 1.0, 1.7):
+        logp = masked_log_softmax(logits, temperature, banned)
+        assert torch.isneginf(logp[:, list(banned)]).all()
+        assert torch.isfinite(logp[:, [i for i in range(50) if i not in banned]]).all()
+        assert torch.allclose(logp.exp().sum(-1), torch.ones(3), atol=1e-6)
+
+
+# ---------------------------------------------------------------- sample()
+
+
+def test_sample_shapes_and_stop_reasons(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    streams = [_first_stream(tiny, fmt, seed)[0] for seed in (0, 1)]
+    params = SamplingParams(max_tokens=5, temperature=1.0)
+    out = sample(tiny.model, fmt, streams, 3, params, torch.Generator().manual_seed(0), pad_id)
+    assert len(out) == 2 and all(len(group) == 3 for group in out)
+    for group in out:
+        for c in group:
+            assert 1 <= len(c.tokens) == len(c.logprobs) <= 5
+            assert all(lp <= 0.0 and math.isfinite(lp) for lp in c.logprobs)
+            assert fmt.im_end not in c.tokens[:-1]
+            assert (c.stop_reason == "stop") == (c.tokens[-1] == fmt.im_end)
+            assert c.stop_reason in ("stop", "length")
+            if c.stop_reason == "length":
+                assert len(c.tokens) == 5
+
+
+def test_sample_never_draws_banned_tokens(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    stream, _ = _first_stream(tiny, fmt, seed=0)
+    params = SamplingParams(max_tokens=8, temperature=1.5)
+    out = sample(tiny.model, fmt, [stream], 64, params, torch.Generator().manual_seed(0), pad_id)
+    drawn = [t for c in out[0] for t in c.tokens]
+    assert len(drawn) >= 64
+    assert not set(drawn) & set(fmt.banned)
+    # the ban is what keeps them out: unbanned, the random model gives them real mass
+    live = open_batch()
+    with torch.no_grad():
+        extend(tiny.model, live, [stream], pad_id)
+    p_banned = torch.softmax(live.logits_BV / 1.5, -1)[0, list(fmt.banned)].sum().item()
+    assert p_banned > 0.005
+
+
+def test_greedy_is_deterministic(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    streams = [_first_stream(tiny, fmt, seed)[0] for seed in (0, 2)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+    a = sample(tiny.model, fmt, streams, 3, params, None, pad_id)
+    b = sample(tiny.model, fmt, streams, 3, params, torch.Generator().manual_seed(9), pad_id)
+    for group_a, group_b in zip(a, b):
+        assert all(c.tokens == group_a[0].tokens for c in group_a + group_b)
+        for c in group_a:  # identical rows, equal up to batched float rounding
+            assert c.logprobs == pytest.approx(group_a[0].logprobs, abs=1e-5)
+    # greedy takes the argmax of the first-step logits, reported at temperature 1
+    live = open_batch()
+    with torch.no_grad():
+        extend(tiny.model, live, streams, pad_id)
+    logp = masked_log_softmax(live.logits_BV, 1.0, fmt.banned)
+    for p in range(2):
+        assert a[p][0].tokens[0] == int(logp[p].argmax())
+        assert a[p][0].logprobs[0] == pytest.approx(float(logp[p].max()), abs=1e-6)
+
+
+def test_seeded_generator_reproduces(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    stream, _ = _first_stream(tiny, fmt, seed=1)
+    params = SamplingParams(max_tokens=6, temperature=1.0)
+
+    def draw(seed: int) -> list[list[int]]:
+        out = sample(tiny.model, fmt, [stream], 4, params, torch.Generator().manual_seed(seed),
+                     pad_id)
+        return [c.tokens for c in out[0]]
+
+    first = draw(123)
+    assert draw(123) == first
+    assert draw(124) != first
+    assert len({tuple(t) for t in first}) > 1  # rows of one prompt draw independently
+
+
+# ---------------------------------------------------------------- sampler / trainer agreement
+
+
+@pytest.fixture(scope="module")
+def lora_lm(tiny, tiny_dir: Path) -> LoadedModel:
+    """A fresh tiny base wrapped in rank-8 LoRA with lora_B perturbed (the adapter is active)."""
+    lm = load_model(str(tiny_dir))
+    model = add_lora(lm.model, LoraSettings(rank=8, alpha=16))
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.add_(0.05 * torch.randn_like(param))
+    return LoadedModel(model=model.eval(), processor=tiny.processor, source="tiny+lora",
+                       path=lm.path)
+
+
+def _assert_agreement(lm: LoadedModel, temperature: float, seed: int,
+                      max_tokens: int = 3) -> list[Stream]:
+    """play_model's recorded log-probs == token_logprobs over the final streams (1e-4)."""
+    fmt = chat_format(lm.processor)
+    params = SamplingParams(max_tokens=max_tokens, temperature=temperature)
+    episodes_P_G = play_model(lm, SMALL, eval_set(5, 2), n=3, params=params,
+                              generator=torch.Generator().manual_seed(seed))
+    streams = [ep.stream for group in episodes_P_G for ep in group]
+    assert len(streams) == 6
+    assert max(ep.turns for group in episodes_P_G for ep in group) >= 2  # multi-turn
+    with torch.no_grad():
+        logps, entropies = token_logprobs(lm.model, streams, temperature, fmt.banned,
+                                          lm.processor.tokenizer.pad_token_id)
+    worst = 0.0
+    for stream, logp, ent in zip(streams, logps, entropies):
+        assert logp.shape == ent.shape == (len(stream),)
+        mask = torch.tensor(stream.loss_mask_T, dtype=torch.bool)
+        assert int(mask.sum()) >= 2
+        sampled = torch.tensor(stream.logprobs_T)
+        worst = max(worst, (logp[mask] - sampled[mask]).abs().max().item())
+        assert torch.isfinite(logp[mask]).all() and bool((ent >= -1e-6).all())
+    assert worst < 1e-4, worst
+    return streams
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_and_trainer_logprobs_agree(tiny, temperature: float) -> None:
+    _assert_agreement(tiny, temperature, seed=11)
+
+
+def test_lora_adapter_is_active(tiny, lora_lm: LoadedModel, fmt, pad_id) -> None:
+    stream, _ = _first_stream(tiny, fmt, seed=0)
+    with torch.no_grad():
+        base = token_logprobs(tiny.model, [stream], 1.0, fmt.banned, pad_id)[0][0]
+        adapted = token_logprobs(lora_lm.model, [stream], 1.0, fmt.banned, pad_id)[0][0]
+    finite = torch.isfinite(base)
+    assert torch.equal(finite, torch.isfinite(adapted))  # -inf exactly on banned prompt tokens
+    assert (base[finite] - adapted[finite]).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampler_and_trainer_logprobs_agree_with_lora(lora_lm: LoadedModel,
+                                                      temperature: float) -> None:
+    _assert_agreement(lora_lm, temperature, seed=5)
+
+
+def test_agreement_with_rows_stopping_early(tiny_dir: Path) -> None:
+    """With <|im_end|> made likely, rows finish at different steps: the batched cache then has
+    holes (tokens fed after a row stopped), and log-probs must still agree."""
+    lm = load_model(str(tiny_dir))
+    fmt = chat_format(lm.processor)
+    bias_V = torch.zeros(lm.model.config.text_config.vocab_size)
+    bias_V[fmt.im_end] = 5.0
+    lm.model.lm_head.register_forward_hook(lambda module, args, out: out + bias_V)
+    streams = _assert_agreement(lm, 1.0, seed=2, max_tokens=4)
+    runs = [run for s in streams for run in _reply_runs(s)]
+    stopped_early = [r for r in runs if len(r) < 4 and r[-1] == fmt.im_end]
+    full_length = [r for r in runs if len(r) == 4]
+    assert stopped_early and full_length
+
+
+def _reply_runs(stream: Stream) -> list[list[int]]:
+    runs, current = [], []
+    for tok, m in zip(stream.tokens_T, stream.loss_mask_T):
+        if m:
+            current.append(tok)
+        elif current:
+            runs.append(current)
+            current = []
+    return runs + ([current] if current else [])
+
+
+def test_token_logprobs_is_padding_invariant(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    """A stream's log-probs do not depend on the other (longer) streams in its batch."""
+    short, _ = _first_stream(tiny, fmt, seed=0)
+    long, env = _first_stream(tiny, fmt, seed=1)
+    long = _next_turn(tiny, fmt, append_reply(long, fmt, [fmt.im_end], [0.0]), env, "up")
+    with torch.no_grad():
+        alone = token_logprobs(tiny.model, [short], 1.0, fmt.banned, pad_id)[0][0]
+        batched = token_logprobs(tiny.model, [long, short], 1.0, fmt.banned, pad_id)[0][1]
+    assert alone.shape == batched.shape == (len(short),)
+    assert alone[0] == 0.0
+    assert torch.allclose(alone, batched, atol=1e-4)
+
+
+# ---------------------------------------------------------------- KV cache reuse
+
+
+def test_kv_reuse_matches_fresh_prefill(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    """Turn-by-turn extend (with decode, rows of different lengths, a dropped row) gives the
+    same next-token logits as one fresh prefill of the final streams."""
+    tok = tiny.processor.tokenizer
+    pairs = [_first_stream(tiny, fmt, seed) for seed in (0, 1, 2)]
+    streams, envs = [s for s, _ in pairs], [e for _, e in pairs]
+    # different system texts: rows differ in length from the first chunk on
+    streams[1] = _first_stream(tiny, fmt, 1, system="Short rules.")[0]
+    live = open_batch()
+    extend(tiny.model, live, streams, pad_id)
+
+    # turn 1: sampled replies (decode feeds them into the cache)
+    params = SamplingParams(max_tokens=3, temperature=1.0)
+    completions = decode(tiny.model, live, fmt, params, torch.Generator().manual_seed(3))
+    replies = []
+    for b, c in enumerate(completions):
+        streams[b] = append_reply(streams[b], fmt, c.tokens, c.logprobs)
+        replies.append(tok.decode(c.tokens, skip_special_tokens=True))
+        streams[b] = _next_turn(tiny, fmt, streams[b], envs[b], replies[b])
+    extend(tiny.model, live, streams, pad_id)
+
+    # turn 2: hand replies of different lengths (fed by the next extend, not by decode)
+    hand = [tok.encode(w, add_special_tokens=False) for w in ("up", "left right down", "stop up")]
+    hand[0] = hand[0] + [fmt.im_end]
+    for b in range(3):
+        streams[b] = append_reply(streams[b], fmt, hand[b], [0.0] * len(hand[b]))
+        streams[b] = _next_turn(tiny, fmt, streams[b], envs[b], "down")
+    assert len({len(s) for s in streams}) == 3
+    extend(tiny.model, live, streams, pad_id)
+
+    fresh = open_batch()
+    extend(tiny.model, fresh, streams, pad_id)
+    assert live.consumed_B == fresh.consumed_B == [len(s) for s in streams]
+    assert live.images_B == fresh.images_B == [3, 3, 3]
+    assert torch.equal(live.next_pos_B, fresh.next_pos_B)
+    assert torch.allclose(live.logits_BV, fresh.logits_BV, atol=1e-4)
+
+    # drop row 0, extend the others by one more turn
+    select_rows(live, [1, 2])
+    for b in (1, 2):
+        streams[b] = append_reply(streams[b], fmt, hand[2], [0.0])
+        streams[b] = _next_turn(tiny, fmt, streams[b], envs[b], "right")
+    extend(tiny.model, live, streams[1:], pad_id)
+    fresh = open_batch()
+    extend(tiny.model, fresh, streams[1:], pad_id)
+    assert torch.equal(live.next_pos_B, fresh.next_pos_B)
+    assert torch.allclose(live.logits_BV, fresh.logits_BV, atol=1e-4)
+
+
+def test_fresh_prefill_matches_full_forward(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    """extend's last-token logits over left-padded rows equal the trainer's right-padded pass."""
+    from workbench.policy.forward import forward_logits, make_batch
+
+    streams = [_first_stream(tiny, fmt, 0)[0], _first_stream(tiny, fmt, 1, system="Hi.")[0]]
+    live = open_batch()
+    extend(tiny.model, live, streams, pad_id)
+    with torch.no_grad():
+        for b, s in enumerate(streams):
+            logits = forward_logits(tiny.model, make_batch(tiny.model, [s], pad_id, left=False),
+                                    use_cache=False).logits
+            assert torch.allclose(live.logits_BV[b], logits[0, -1], atol=1e-4)
+
+
+def test_extend_builds_no_autograd_graph(tiny, fmt: ChatFormat, pad_id: int) -> None:
+    stream, _ = _first_stream(tiny, fmt, seed=0)
+    live = open_batch()
+    extend(tiny.model, live, [stream], pad_id)  # called as play_model calls it: grad mode on
+    assert not live.logits_BV.requires_grad
+    assert not live.cache.layers[0].keys.requires_grad

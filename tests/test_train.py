@@ -1,0 +1,130 @@
+"""The GRPO loop end to end: learning, exact resume after a killed process, replay.
+
+A session-scoped SFT model (a few steps on 5x5 mazes, enough to emit valid moves) is the base,
+so rollouts carry reward signal and updates are not trivially empty.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from workbench.config import PRESETS, apply_overrides
+from workbench.rl.replay import replay
+from workbench.rl.sft import run_sft
+from workbench.run import read_metrics
+
+SMALL = [
+    "env.size=5", "generator.max_turns=4", "generator.max_tokens=2",
+    "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
+    "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
+]
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> str:
+    """A tiny Qwen3-VL after a short SFT on 5x5 oracle episodes."""
+    out = tmp_path_factory.mktemp("sft")
+    config = apply_overrides(PRESETS["tiny"], SMALL + [
+        f"model.name={tiny_dir}", "sft.steps=40", "sft.batch_size=8", "sft.learning_rate=1e-3",
+        f"run_dir={out}"])
+    return str(run_sft(config, log=lambda *_: None))
+
+
+def _overrides(base: str, run_dir: Path, extra: list[str]) -> list[str]:
+    return SMALL + [f"model.name={base}", f"run_dir={run_dir}"] + extra
+
+
+def _train_cli(overrides: list[str], env: dict) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "workbench", "train", *overrides], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _env() -> dict:
+    return os.environ | {"OMP_NUM_THREADS": "1", "WORKBENCH_CACHE": os.environ["WORKBENCH_CACHE"]}
+
+
+def _comparable(rows: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+RESUME = ["trainer.total_steps=4", "trainer.ckpt_interval=2", "trainer.eval_interval=2",
+          "trainer.hf_save_interval=4", "trainer.learning_rate=1e-3"]
+
+
+@pytest.fixture(scope="session")
+def straight_run(sft_model: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 4-step run that nobody interrupts."""
+    run_dir = tmp_path_factory.mktemp("straight")
+    proc = _train_cli(_overrides(sft_model, run_dir, RESUME + ["trainer.resume_mode=none"]), _env())
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    return run_dir
+
+
+def test_killed_run_resumes_to_identical_metrics(straight_run: Path, sft_model: str,
+                                                 tmp_path: Path) -> None:
+    run_dir = tmp_path / "killed"
+    overrides = _overrides(sft_model, run_dir, RESUME + ["trainer.resume_mode=latest"])
+    proc = _train_cli(overrides, _env())
+    marker = run_dir / "checkpoints" / "global_step_2" / "COMPLETE"
+    deadline = time.monotonic() + 600
+    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)  # waiting for an event (the checkpoint), not for time to pass
+    assert marker.exists(), "the run never wrote its step-2 checkpoint"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (run_dir / "exports" / "global_step_4").exists(), "killed too late to test"
+    resumed = _train_cli(overrides, _env())
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    assert "at step 2" in out.splitlines()[0], out
+    straight, again = read_metrics(straight_run), read_metrics(run_dir)
+    assert [r["step"] for r in again] == [r["step"] for r in straight]
+    assert _comparable(again) == _comparable(straight)
+    a = load_file(str(straight_run / "exports/global_step_4/adapter_model.safetensors"))
+    b = load_file(str(run_dir / "exports/global_step_4/adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_training_changed_lora_and_used_signal(straight_run: Path) -> None:
+    rows = [r for r in read_metrics(straight_run) if "reward/mean" in r]
+    assert len(rows) == 4
+    assert sum(r["update/datums"] for r in rows) > 0, "no group carried reward signal"
+    a = load_file(str(straight_run / "checkpoints/global_step_0/state/adapter_model.safetensors"))
+    b = load_file(str(straight_run / "exports/global_step_4/adapter_model.safetensors"))
+    changed = [k for k in a if "lora_B" in k and not torch.equal(a[k], b[k])]
+    assert changed, "no LoRA B matrix moved"
+    manifest = json.loads((straight_run / "manifest.json").read_text())
+    assert manifest["model"]["base_weights_sha256"] and manifest["reward_source_sha256"]
+
+
+@pytest.mark.parametrize("step", [2, 3])
+def test_replay_reproduces_logged_update(straight_run: Path, step: int) -> None:
+    result = replay(straight_run, step)
+    assert result.from_checkpoint == (0 if step == 2 else 2)  # step 2 re-runs step 1 first
+    assert result.replayed == result.logged
+    assert result.exact
+
+
+def test_truncated_checkpoint_is_skipped(straight_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    from workbench.rl.train import find_checkpoint
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(straight_run, run_dir)
+    (run_dir / "checkpoints/global_step_4").mkdir(exist_ok=True)
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("4\n")  # points at a torn write
+    messages: list[str] = []
+    assert find_checkpoint(run_dir, messages.append).name == "global_step_2"
+    assert "incomplete" in messages[0]

@@ -1,0 +1,337 @@
+"""Run configuration: one frozen dataclass per concern, dotted overrides, presets.
+
+Keys the seed quotes keep SkyRL's names and meanings (`generator.n_samples_per_prompt`,
+`generator.max_turns`, `trainer.ckpt_interval`, `trainer.resume_mode`, `trainer.hf_save_interval`,
+`trainer.eval_interval`, ...). Overrides are `section.key=value` strings:
+
+    cfg = apply_overrides(PRESETS["tiny"], ["generator.max_turns=10", "lora.rank=16"])
+
+An unknown key or a bad value raises ConfigError naming the key and the closest valid ones.
+Each field's docstring (the string under it) is its help text: `python -m workbench train --help`.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import inspect
+import json
+import typing
+from dataclasses import dataclass, field
+from functools import cache
+from typing import Any
+
+from workbench.envs import MazeConfig
+
+
+class ConfigError(ValueError):
+    """A configuration key or value that cannot be used."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The base model."""
+
+    name: str = "tiny"
+    """"tiny" (built locally), a checkpoint folder, or a hub id (Qwen/Qwen3-VL-8B-Instruct)."""
+    dtype: str = "float32"
+    """Weights dtype: float32 | bfloat16 | float16."""
+    device: str = "cpu"
+    """Torch device of the policy: cpu | cuda."""
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapter on the language model's projections."""
+
+    rank: int = 32
+    """LoRA rank r (the seed uses 32)."""
+    alpha: int = 64
+    """LoRA alpha; the update is scaled by alpha / rank."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    """The maze task (generator.max_turns sets the turn budget)."""
+
+    size: int = 7
+    """Maze side incl. the outer wall: 5, 7, 9 (easy), 11 (hard)."""
+    px_per_cell: int = 32
+    """Pixels per square: 25 = VisGym, 32 = one image token per square."""
+    grammar: str = "keyword"
+    """Reply grammar: keyword (up/down/left/right/stop) | tuple (VisGym's ('move', d))."""
+    reward: str = "reach_goal"
+    """Reward rule: reach_goal | stop_on_goal (VisGym)."""
+    format_weight: float = 0.0
+    """Weight of the format term (SkyRL's recipe: 0.2)."""
+    observation: str = "image"
+    """What the model sees: image | ascii."""
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """Rollouts (SkyRL's generator.* keys)."""
+
+    n_samples_per_prompt: int = 8
+    """G: episodes sampled per maze (the group)."""
+    max_turns: int = 15
+    """Turn budget per episode."""
+    temperature: float = 1.0
+    """Sampling temperature of training rollouts."""
+    max_tokens: int = 4
+    """Reply length cap in tokens."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory the sampler engine may use (vLLM engines)."""
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The GRPO loop (SkyRL's trainer.* keys)."""
+
+    total_steps: int = 40
+    """GRPO steps (one rollout batch and one optimiser step each)."""
+    train_batch_size: int = 8
+    """P: mazes per step."""
+    learning_rate: float = 3e-4
+    """Peak learning rate."""
+    lr_schedule: str = "constant"
+    """constant | warmup_cosine."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (warmup_cosine)."""
+    loss: str = "ppo"
+    """Policy loss: ppo | importance_sampling | cispo | cross_entropy."""
+    loss_reduction: str = "token_mean"
+    """sum | token_mean | sequence_mean."""
+    clip_low: float = 0.2
+    """PPO ratio floor 1 - clip_low."""
+    clip_high: float = 0.2
+    """PPO ratio ceiling 1 + clip_high."""
+    advantage: str = "grpo"
+    """grpo | dr_grpo | rloo."""
+    grad_clip_norm: float = 1.0
+    """Global grad-norm clip (0 = off)."""
+    minibatch: int = 16
+    """Episodes per forward_backward call."""
+    ckpt_interval: int = 20
+    """Full checkpoint every N steps (0 = never)."""
+    hf_save_interval: int = 20
+    """PEFT adapter export every N steps (0 = never)."""
+    eval_interval: int = 10
+    """Evaluate on the fixed set every N steps (0 = only before and after)."""
+    resume_mode: str = "latest"
+    """latest | none | from_path."""
+    resume_path: str = ""
+    """Checkpoint folder for resume_mode=from_path."""
+    seed: int = 0
+    """Seed of maze order and sampling."""
+    keep_step_records: bool = True
+    """Keep each step's rollout and datums for replay."""
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """Evaluation on the fixed maze set."""
+
+    n_mazes: int = 64
+    """Mazes in the fixed set (eval seeds 0..n-1)."""
+    greedy: bool = True
+    """Evaluate greedy decoding."""
+    sampled_passes: int = 2
+    """Sampled passes per maze (64 episodes carry about +-6 points of noise)."""
+    temperature: float = 1.0
+    """Temperature of sampled evaluation."""
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """The SFT baseline on oracle trajectories."""
+
+    steps: int = 300
+    """Optimiser steps."""
+    batch_size: int = 16
+    """Oracle episodes per step."""
+    learning_rate: float = 3e-4
+    """Learning rate (1e-3 stalled in our experiments)."""
+    full_finetune: bool = True
+    """Train every weight (tiny default) instead of a LoRA adapter."""
+    noise: float = 0.0
+    """Chance of a random detour per turn (in context, not trained on): recovery examples."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """A whole run."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    run_dir: str = "runs/grpo"
+
+    @property
+    def maze(self) -> MazeConfig:
+        """The environment config with the generator's turn budget."""
+        return MazeConfig(max_turns=self.generator.max_turns, **dataclasses.asdict(self.env))
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "env.grammar": ("keyword", "tuple"),
+    "env.reward": ("reach_goal", "stop_on_goal"),
+    "env.observation": ("image", "ascii"),
+    "trainer.lr_schedule": ("constant", "warmup_cosine"),
+    "trainer.loss": ("ppo", "importance_sampling", "cispo", "cross_entropy"),
+    "trainer.loss_reduction": ("sum", "token_mean", "sequence_mean"),
+    "trainer.advantage": ("grpo", "dr_grpo", "rloo"),
+    "trainer.resume_mode": ("latest", "none", "from_path"),
+}
+
+
+def _sections(config: RunConfig) -> dict[str, Any]:
+    return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+
+
+def flat_keys(config: RunConfig) -> dict[str, Any]:
+    """Every dotted key with its current value."""
+    out = {}
+    for name, value in _sections(config).items():
+        if dataclasses.is_dataclass(value):
+            out |= {f"{name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)}
+        else:
+            out[name] = value
+    return out
+
+
+def _coerce(key: str, raw: str, current: Any, kind: Any) -> Any:
+    try:
+        if kind is bool:
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        return kind(raw)
+    except ValueError:
+        raise ConfigError(f"{key}={raw!r}: expected {kind.__name__} "
+                          f"(current value {current!r})") from None
+
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """Return config with each `section.key=value` applied; validates keys and values."""
+    keys = flat_keys(config)
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        if key not in keys:
+            close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            section = key.split(".")[0]
+            valid = [k for k in keys if k.startswith(section + ".")] or list(keys)
+            raise ConfigError(f"unknown config key {key!r}{hint} (valid keys: {', '.join(valid)})")
+        config = _replace(config, key, raw.strip())
+        keys = flat_keys(config)
+    validate(config)
+    return config
+
+
+def _replace(config: RunConfig, key: str, raw: str) -> RunConfig:
+    if "." not in key:
+        return dataclasses.replace(config, **{key: _coerce(key, raw, getattr(config, key), str)})
+    section, name = key.split(".", 1)
+    sub = getattr(config, section)
+    value = _coerce(key, raw, getattr(sub, name), _field_type(type(sub), name))
+    return dataclasses.replace(config, **{section: dataclasses.replace(sub, **{name: value})})
+
+
+def validate(config: RunConfig) -> None:
+    """Check choice-valued keys and value ranges; raise ConfigError naming the key."""
+    values = flat_keys(config)
+    for key, choices in CHOICES.items():
+        if values[key] not in choices:
+            close = difflib.get_close_matches(str(values[key]), choices, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{key}={values[key]!r} is not one of {list(choices)}{hint}")
+    positive = ("generator.n_samples_per_prompt", "generator.max_turns", "generator.max_tokens",
+                "trainer.train_batch_size", "trainer.minibatch", "eval.n_mazes", "lora.rank")
+    for key in positive:
+        if values[key] < 1:
+            raise ConfigError(f"{key} must be >= 1, got {values[key]}")
+    if values["generator.n_samples_per_prompt"] < 2:
+        raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
+    if values["trainer.resume_mode"] == "from_path" and not values["trainer.resume_path"]:
+        raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path")
+    try:
+        _ = config.maze  # MazeConfig validates size, px, grammar, reward
+    except ValueError as err:
+        raise ConfigError(f"env: {err}") from None
+
+
+@cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass (read from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = nxt.value.value
+    return docs
+
+
+def describe_keys(config: RunConfig) -> str:
+    """One line per dotted key: key=default  help."""
+    lines = []
+    for name, sub in _sections(config).items():
+        if not dataclasses.is_dataclass(sub):
+            lines.append(f"  {name}={sub}")
+            continue
+        docs = field_docs(type(sub))
+        for f in dataclasses.fields(sub):
+            lines.append(f"  {name}.{f.name}={getattr(sub, f.name)}  {docs.get(f.name, '')}")
+    return "\n".join(lines)
+
+
+def to_dict(config: RunConfig) -> dict[str, Any]:
+    """JSON-ready dict."""
+    return dataclasses.asdict(config)
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Inverse of to_dict; unknown keys raise ConfigError."""
+    overrides = []
+    for key, value in data.items():
+        if isinstance(value, dict):
+            overrides += [f"{key}.{k}={json.dumps(v) if isinstance(v, str) else v}"
+                          for k, v in value.items()]
+        else:
+            overrides.append(f"{key}={value}")
+    return apply_overrides(RunConfig(), [o.replace('"', "") for o in overrides])
+
+
+PRESETS: dict[str, RunConfig] = {
+    "tiny": RunConfig(),
+    # The seed's GPU recipe: Qwen3-VL-8B + LoRA 32, VisGym easy mazes, 8 samples, 15 turns,
+    # checkpoints / exports every 20 steps, evaluation every 10 on the 64-maze set.
+    "seed_gpu": RunConfig(
+        model=ModelConfig(name="Qwen/Qwen3-VL-8B-Instruct", dtype="bfloat16", device="cuda"),
+        lora=LoraConfig(rank=32, alpha=64),
+        env=EnvConfig(size=9, px_per_cell=25, grammar="tuple", reward="stop_on_goal",
+                      format_weight=0.2),
+        generator=GeneratorConfig(n_samples_per_prompt=8, max_turns=15, temperature=0.7,
+                                  max_tokens=32, gpu_memory_utilization=0.5),
+        trainer=TrainerConfig(total_steps=100, train_batch_size=8, learning_rate=1e-5,
+                              ckpt_interval=20, hf_save_interval=20, eval_interval=10),
+        eval=EvalConfig(n_mazes=64, greedy=True, sampled_passes=8, temperature=0.7),
+        sft=SFTConfig(full_finetune=False, learning_rate=1e-5),
+        run_dir="runs/seed_gpu",
+    ),
+}

@@ -1,0 +1,104 @@
+"""The main job on the embedded default: SFT baseline -> GRPO, evaluated before and after.
+
+    make demo        # = python -m workbench demo --out runs/demo      (about 15 minutes, 2 cores)
+    make demo-long   # = python -m workbench demo --out runs/demo-long --long
+
+1. Baselines on the fixed 64-maze set (7x7, 15 turns): random, random-among-open-moves, oracle.
+2. SFT on oracle trajectories (full fine-tune of the tiny Qwen3-VL) -> runs/demo/sft/model.
+3. GRPO with LoRA on top of the SFT model -> runs/demo/grpo (metrics, checkpoints, exports).
+4. The seed-style table (SFT baseline X/64 -> GRPO Y/64, ceiling Z/64), greedy and sampled
+   separately (sampled success averaged over several passes), and two pictures:
+   training.png (reward/success per step with the ceiling) and episodes.png.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from workbench.config import PRESETS, RunConfig, apply_overrides
+from workbench.envs import eval_set
+from workbench.rl import SCRIPTED, EvalResult, format_table, play_scripted, summarize
+
+DEMO_OVERRIDES = [
+    "sft.steps=150", "sft.batch_size=8", "sft.learning_rate=3e-4",
+    "trainer.total_steps=20", "trainer.train_batch_size=8", "generator.n_samples_per_prompt=8",
+    "trainer.learning_rate=3e-4", "trainer.eval_interval=10", "trainer.ckpt_interval=10",
+    "trainer.hf_save_interval=10", "eval.sampled_passes=4",
+]
+LONG_OVERRIDES = DEMO_OVERRIDES + ["sft.steps=400", "trainer.total_steps=80",
+                                   "trainer.eval_interval=20", "trainer.ckpt_interval=20"]
+
+
+def demo_config(out: Path, long: bool = False) -> RunConfig:
+    """The demo's settings (tiny preset plus DEMO_OVERRIDES or LONG_OVERRIDES)."""
+    return apply_overrides(PRESETS["tiny"], LONG_OVERRIDES if long else DEMO_OVERRIDES
+                           + [f"run_dir={out / 'grpo'}"])
+
+
+def baselines(config: RunConfig) -> list[EvalResult]:
+    """Scripted policies on the fixed set."""
+    states = eval_set(config.env.size, config.eval.n_mazes)
+    return [summarize(name, "scripted", play_scripted(policy, config.maze, states), states,
+                      config.maze) for name, policy in SCRIPTED.items()]
+
+
+def seed_table(before: list[EvalResult], after: list[EvalResult]) -> str:
+    """SFT baseline X/N -> GRPO Y/N (ceiling Z/N), one line per decoding mode."""
+    lines = []
+    for b in before:
+        a = next(r for r in after if r.mode == b.mode)
+        passes = f", mean of {b.episodes_per_maze} passes" if b.episodes_per_maze > 1 else ""
+        lines.append(f"{b.mode:<8} SFT baseline {b.solved:5.1f}/{b.n_mazes} -> GRPO "
+                     f"{a.solved:5.1f}/{a.n_mazes}   (ceiling {b.ceiling}/{b.n_mazes}{passes})")
+    return "\n".join(lines)
+
+
+def run_demo(out: str | Path, long: bool = False) -> dict:
+    """Baselines, SFT, GRPO, tables and pictures; returns the summary written to summary.json."""
+    from workbench.rl.sft import run_sft
+    from workbench.rl.train import train
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    config = demo_config(out, long)
+    t0 = time.perf_counter()
+    base = baselines(config)
+    print(format_table(base))
+    sft_model = run_sft(replace(config, run_dir=str(out / "sft")))
+    t_sft = time.perf_counter() - t0
+    grpo_cfg = replace(config, model=replace(config.model, name=str(sft_model)))
+    grpo_cfg = replace(grpo_cfg, trainer=replace(grpo_cfg.trainer, resume_mode="none"))
+    trainer = train(grpo_cfg)
+    evals = sorted((out / "grpo" / "eval").glob("step_*.json"))
+    before = [EvalResult(**_tuple(r)) for r in json.loads(evals[0].read_text())["results"]]
+    after = [EvalResult(**_tuple(r)) for r in json.loads(evals[-1].read_text())["results"]]
+    table = seed_table(before, after)
+    print(format_table(base + [replace(r, policy="sft") for r in before]
+                       + [replace(r, policy="grpo") for r in after]))
+    print(table)
+    _pictures(out, trainer)
+    summary = {"seconds_total": time.perf_counter() - t0, "seconds_sft": t_sft,
+               "table": table, "baselines": [r.__dict__ for r in base],
+               "sft": [r.__dict__ for r in before], "grpo": [r.__dict__ for r in after]}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print(f"total {summary['seconds_total'] / 60:.1f} min; wrote {out}/summary.json, "
+          f"training.png, episodes.png")
+    return summary
+
+
+def _tuple(result: dict) -> dict:
+    return result | {"successes_P": tuple(result["successes_P"])}
+
+
+def _pictures(out: Path, trainer) -> None:
+    from workbench.run import read_metrics
+    from workbench.viz import episode_grid, plot_training
+
+    plot_training(read_metrics(out / "grpo"), "GRPO on the tiny Qwen3-VL").savefig(
+        out / "training.png", dpi=80)
+    eps = [g[0] for g in trainer.last_eval.episodes["sampled"][:8]]
+    episode_grid(eps, trainer.config.maze, titles=["grpo sampled"] * len(eps)).savefig(
+        out / "episodes.png", dpi=80)

@@ -1,0 +1,221 @@
+"""The GRPO phases as plain functions over plain records, one notebook cell each:
+
+    ro   = rollout(sampler, maze_cfg, states_P, n=8, params=SamplingParams(), seed=0)
+    sc   = score(ro)                              # rewards_P_G
+    adv  = advantages(sc.rewards_P_G, "grpo")     # advantages_P_G, zero-variance groups
+    data = make_datums(ro, adv)                   # one datum per episode that carries signal
+    up   = update(training_client, data, "ppo", LossConfig(), AdamParams(learning_rate=3e-4))
+    ev   = evaluate(sampler, maze_cfg, eval_set(7), greedy=True, sampled_passes=2)
+
+Advantages are group-relative: GRPO (r - mean) / (std + 1e-6) with the unbiased std as SkyRL
+computes it, Dr. GRPO (r - mean), RLOO (r - mean of the others). A group whose rewards are all
+equal carries no signal: its advantages are exactly zero, it is counted, and its episodes are
+left out of the update (they would add zero gradient at full cost).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+from workbench.envs import InitState, MazeConfig
+from workbench.policy import SamplingParams
+from workbench.rl.evaluate import EvalResult, summarize
+from workbench.rl.rollout import Episode
+from workbench.session.losses import LossConfig
+from workbench.session.types import AdamParams, Datum
+
+
+@dataclass
+class RolloutRecord:
+    """Episodes of one rollout: G per maze, with the settings that produced them."""
+
+    episodes_P_G: list[list[Episode]]
+    params: SamplingParams
+    seed: int
+    seconds: float
+
+    @property
+    def flat(self) -> list[Episode]:
+        return [ep for group in self.episodes_P_G for ep in group]
+
+
+def rollout(sampler, config: MazeConfig, states_P: list[InitState], n: int,
+            params: SamplingParams, seed: int) -> RolloutRecord:
+    """n episodes per maze from the sampling client's weights version."""
+    start = time.perf_counter()
+    episodes = sampler.rollout(config, states_P, n, params, seed).result()
+    return RolloutRecord(episodes, params, seed, time.perf_counter() - start)
+
+
+# A reward function follows TRL's protocol: a list of episodes in, one float per episode out.
+RewardFn = Callable[[list[Episode]], list[float]]
+
+
+def env_reward(episodes: list[Episode]) -> list[float]:
+    """The environment's episode reward (task term, plus the format term if configured)."""
+    return [ep.reward for ep in episodes]
+
+
+def success_reward(episodes: list[Episode]) -> list[float]:
+    """1.0 for a solved episode, else 0.0."""
+    return [float(ep.success) for ep in episodes]
+
+
+REWARD_FNS: dict[str, RewardFn] = {"env": env_reward, "success": success_reward}
+
+
+@dataclass
+class ScoreRecord:
+    """Rewards per maze and sample, and each reward function's part."""
+
+    rewards_P_G: np.ndarray
+    parts: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+def score(record: RolloutRecord, reward_fns: dict[str, float] | None = None) -> ScoreRecord:
+    """Weighted sum of reward functions (names in REWARD_FNS -> weight); default env reward."""
+    weights = reward_fns or {"env": 1.0}
+    P, G = len(record.episodes_P_G), len(record.episodes_P_G[0])
+    parts = {name: np.asarray(REWARD_FNS[name](record.flat), dtype=np.float64).reshape(P, G)
+             for name in weights}
+    total = sum(weights[name] * part for name, part in parts.items())
+    return ScoreRecord(rewards_P_G=total, parts=parts)
+
+
+def grpo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
+    """(r - group mean) / (unbiased group std + 1e-6)."""
+    mean_P1 = rewards_P_G.mean(axis=1, keepdims=True)
+    std_P1 = rewards_P_G.std(axis=1, ddof=1, keepdims=True)
+    return (rewards_P_G - mean_P1) / (std_P1 + 1e-6)
+
+
+def dr_grpo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
+    """r - group mean (no std normalisation: Dr. GRPO)."""
+    return rewards_P_G - rewards_P_G.mean(axis=1, keepdims=True)
+
+
+def rloo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
+    """r - mean of the other G-1 rewards of the group (leave-one-out baseline)."""
+    G = rewards_P_G.shape[1]
+    others_P_G = (rewards_P_G.sum(axis=1, keepdims=True) - rewards_P_G) / (G - 1)
+    return rewards_P_G - others_P_G
+
+
+ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "grpo": grpo_advantages,
+    "dr_grpo": dr_grpo_advantages,
+    "rloo": rloo_advantages,
+}
+
+
+@dataclass
+class AdvantageRecord:
+    """Advantages per maze and sample; zero-variance groups are zeroed and counted."""
+
+    advantages_P_G: np.ndarray
+    zero_variance_groups: int
+    estimator: str
+
+
+def advantages(rewards_P_G: np.ndarray, estimator: str = "grpo") -> AdvantageRecord:
+    """Group-relative advantages by `estimator` (a key of ADVANTAGES)."""
+    if estimator not in ADVANTAGES:
+        raise ValueError(f"unknown estimator {estimator!r}; choose one of {sorted(ADVANTAGES)}")
+    flat_P = np.all(rewards_P_G == rewards_P_G[:, :1], axis=1)
+    adv_P_G = ADVANTAGES[estimator](rewards_P_G)
+    adv_P_G[flat_P] = 0.0
+    return AdvantageRecord(adv_P_G, int(flat_P.sum()), estimator)
+
+
+def make_datums(record: RolloutRecord, adv: AdvantageRecord,
+                drop_zero: bool = True) -> list[Datum]:
+    """One datum per episode: its stream with the episode's advantage on every reply token."""
+    from workbench.session.types import datum_from_stream
+
+    datums = []
+    for group, adv_G in zip(record.episodes_P_G, adv.advantages_P_G):
+        for ep, a in zip(group, adv_G):
+            if drop_zero and a == 0.0:
+                continue
+            datums.append(datum_from_stream(ep.stream, float(a)))
+    return datums
+
+
+@dataclass
+class UpdateRecord:
+    """Loss metrics of the forward_backward calls and the optimiser step."""
+
+    metrics: dict[str, float]
+    grad_norm: float
+    learning_rate: float
+    datums: int
+    seconds: float
+
+
+def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
+    """Fold a mean reduction over the WHOLE batch into the weights, so that summing the loss
+    over any split into mini-batches gives exactly the batch's token (or sequence) mean."""
+    if reduction == "sum":
+        return datums
+    tokens_B = [sum(1 for w in d.weights_T if w != 0) for d in datums]
+    if reduction == "token_mean":
+        scale_B = [1.0 / max(sum(tokens_B), 1)] * len(datums)
+    else:  # sequence_mean
+        scale_B = [1.0 / (len(datums) * max(n, 1)) for n in tokens_B]
+    return [replace(d, weights_T=tuple(w * s for w in d.weights_T))
+            for d, s in zip(datums, scale_B)]
+
+
+def update(training_client, datums: list[Datum], loss_fn: str, loss_cfg: LossConfig,
+           adam: AdamParams, minibatch: int = 16) -> UpdateRecord:
+    """forward_backward over mini-batches (queued back to back), then one optim_step.
+
+    The loss config's mean reduction is applied over the whole batch (`global_weights`)."""
+    start = time.perf_counter()
+    if not datums:
+        return UpdateRecord({}, 0.0, adam.learning_rate, 0, 0.0)
+    datums = global_weights(datums, loss_cfg.reduction)
+    summed = replace(loss_cfg, reduction="sum")
+    futures = [training_client.forward_backward(datums[i:i + minibatch], loss_fn, summed)
+               for i in range(0, len(datums), minibatch)]
+    step = training_client.optim_step(adam)
+    outs = [f.result() for f in futures]
+    total_tokens = sum(o.metrics["tokens"] for o in outs) or 1
+    metrics = {k: sum(o.metrics[k] * o.metrics["tokens"] for o in outs) / total_tokens
+               for k in ("kl_sampler_trainer", "clip_fraction", "entropy")}
+    metrics |= {"loss": sum(o.loss for o in outs), "tokens": total_tokens}
+    opt = step.result()
+    return UpdateRecord(metrics, opt.grad_norm, opt.learning_rate, len(datums),
+                        time.perf_counter() - start)
+
+
+@dataclass
+class EvalRecord:
+    """Greedy and sampled results on a fixed maze set (sampled over several passes)."""
+
+    results: list[EvalResult]
+    episodes: dict[str, list[list[Episode]]]
+    seconds: float
+
+    def by_mode(self, mode: str) -> EvalResult:
+        return next(r for r in self.results if r.mode == mode)
+
+
+def evaluate(sampler, config: MazeConfig, states: list[InitState], name: str = "policy",
+             greedy: bool = True, sampled_passes: int = 2, temperature: float = 1.0,
+             max_tokens: int = 4, seed: int = 12345) -> EvalRecord:
+    """Success on the fixed set, greedy and/or sampled (passes = episodes per maze)."""
+    start = time.perf_counter()
+    runs = [("greedy", 1, 0.0)] if greedy else []
+    runs += [("sampled", sampled_passes, temperature)] if sampled_passes > 0 else []
+    results, episodes = [], {}
+    for mode, n, temp in runs:
+        params = SamplingParams(max_tokens=max_tokens, temperature=temp)
+        eps = sampler.rollout(config, states, n, params, seed).result()
+        episodes[mode] = eps
+        results.append(summarize(name, mode, eps, states, config))
+    return EvalRecord(results, episodes, time.perf_counter() - start)

@@ -1,0 +1,133 @@
+"""SFT baseline: cross-entropy on oracle (BFS) trajectories, the checkpoint GRPO starts from.
+
+Each example is a whole multi-turn episode rendered exactly as a rollout would render it
+(system rules; per turn the image, feedback and budget; the oracle's reply), with loss on the
+reply tokens only. The mazes come from training seeds, never from the eval set.
+
+    python -m workbench sft sft.steps=300
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workbench.envs import InitState, MazeConfig, MazeEnv, init_maze, make_maze, system_prompt
+from workbench.envs.env import init_state_of
+from workbench.policy import ChatFormat, Stream, append_reply, chat_format, start_stream
+from workbench.rl.rollout import SCRIPTED, observe
+from workbench.session.losses import LossConfig
+from workbench.session.types import AdamParams, Datum
+
+SFT_SEED_OFFSET = 50_000_000  # SFT mazes: train seeds far from the GRPO ones
+
+
+def scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, state: InitState,
+                    policy: str = "oracle", seed: int = 0) -> Stream:
+    """The token stream of one scripted episode (replies tokenised, then <|im_end|>)."""
+    return _play_scripted_stream(processor, fmt, config, state, policy, 0.0, seed)[0]
+
+
+def _play_scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, state: InitState,
+                          policy: str, noise: float, seed: int) -> tuple[Stream, list[bool]]:
+    """Play `policy`, replacing a turn by a random open move with probability `noise`;
+    returns the stream and, per reply, whether it was the policy's own (trainable) move."""
+    rng = np.random.default_rng(seed)
+    env = MazeEnv(config)
+    obs, info = env.reset(options={"init_state": state})
+    stream = observe(start_stream(processor, fmt, system_prompt(config)), processor, fmt, obs,
+                     info, config)
+    maze, own = init_maze(state), []
+    while True:
+        detour = noise > 0 and rng.random() < noise
+        reply = SCRIPTED["random_open" if detour else policy](maze, env.pos, config, rng)
+        own.append(not detour)
+        tokens = processor.tokenizer.encode(reply, add_special_tokens=False) + [fmt.im_end]
+        stream = append_reply(stream, fmt, tokens, [0.0] * len(tokens))
+        obs, _, _, _, info = env.step(reply)
+        if env.done:
+            return stream, own
+        stream = observe(stream, processor, fmt, obs, info, config)
+
+
+def oracle_datum(processor: Any, fmt: ChatFormat, config: MazeConfig, state: InitState,
+                 noise: float = 0.0, seed: int = 0) -> Datum:
+    """An SFT datum: oracle replies weighted 1; random detours (probability `noise`, so the
+    model also sees how to recover from a wrong move) are in context but weighted 0."""
+    stream, own = _play_scripted_stream(processor, fmt, config, state, "oracle", noise, seed)
+    weights, reply = [], -1
+    for t, m in enumerate(stream.loss_mask_T):
+        if m and (t == 0 or not stream.loss_mask_T[t - 1]):
+            reply += 1  # a new run of reply tokens starts
+        weights.append(float(m and own[reply]))
+    return Datum(stream, tuple(0.0 for _ in weights), tuple(weights))
+
+
+@dataclass(frozen=True)
+class SFTStep:
+    """Metrics of one SFT step."""
+
+    step: int
+    loss: float  # mean cross-entropy per reply token
+    tokens: int
+    grad_norm: float
+    seconds: float
+
+
+def sft_steps(training_client, config: MazeConfig, seeds: Iterator[int], steps: int,
+              batch: int, adam: AdamParams, noise: float = 0.0) -> Iterator[SFTStep]:
+    """Yield after each SFT step (a notebook can plot the loss as it goes)."""
+    processor = training_client.get_processor()
+    fmt = chat_format(processor)
+    loss_cfg = LossConfig(reduction="token_mean")
+    for step in range(1, steps + 1):
+        start = time.perf_counter()
+        states = [(seed := next(seeds), init_state_of(make_maze(config.size, seed)))
+                  for _ in range(batch)]
+        datums = [oracle_datum(processor, fmt, config, s, noise, seed) for seed, s in states]
+        fb = training_client.forward_backward(datums, "cross_entropy", loss_cfg)
+        opt = training_client.optim_step(adam)
+        out = fb.result()
+        yield SFTStep(step, out.loss, out.metrics["tokens"], opt.result().grad_norm,
+                      time.perf_counter() - start)
+
+
+
+def run_sft(config: Any, log: Any = print) -> Path:
+    """SFT from config (model, env, generator.max_turns, sft.*) into run_dir; returns the
+    exported model folder (`<run_dir>/model`) that GRPO loads as its base."""
+    import shutil
+
+    import torch
+
+    from workbench import run as rundir
+    from workbench.config import to_dict
+    from workbench.envs import train_seeds
+    from workbench.model import LoraSettings
+    from workbench.session import create_session
+
+    run_dir = Path(config.run_dir)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    rundir.write_json(run_dir / "config.json", to_dict(config))
+    lora = None if config.sft.full_finetune else LoraSettings(config.lora.rank, config.lora.alpha)
+    session = create_session(config.model.name, lora, workdir=run_dir,
+                             dtype=getattr(torch, config.model.dtype), device=config.model.device)
+    adam = AdamParams(learning_rate=config.sft.learning_rate)
+    seeds = train_seeds(start=SFT_SEED_OFFSET + config.trainer.seed * 100_000_000)
+    for st in sft_steps(session.training_client, config.maze, seeds, config.sft.steps,
+                        config.sft.batch_size, adam, config.sft.noise):
+        rundir.append_metrics(run_dir, {"step": st.step, "sft/loss": st.loss,
+                                        "sft/tokens": st.tokens, "sft/grad_norm": st.grad_norm,
+                                        "time/step": st.seconds})
+        if st.step % 25 == 0 or st.step == config.sft.steps:
+            log(f"sft step {st.step:>4}  loss {st.loss:.4f}  {st.seconds:.2f}s")
+    folder = session.training_client.export_model(run_dir / "model").result()
+    session.close()
+    return Path(folder)

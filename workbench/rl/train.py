@@ -1,0 +1,252 @@
+"""The GRPO loop: only the loop over the phases, with eval / checkpoint / export intervals and
+exact resume.
+
+    python -m workbench train model.name=runs/sft/model trainer.total_steps=40
+
+Every step: new sampling client from the current weights -> rollout of P mazes x G episodes
+(mazes and sampling seed are functions of the step, so a resumed run sees the same data) ->
+score -> group advantages -> datums -> one update -> metrics.jsonl. A full checkpoint holds the
+weights, optimiser, step and RNG states; `trainer.resume_mode=latest` continues from the newest
+complete one and reproduces an uninterrupted run bit for bit on CPU.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from workbench import run as rundir
+from workbench.config import RunConfig, to_dict
+from workbench.envs import eval_set, make_maze, train_seeds
+from workbench.envs.env import init_state_of
+from workbench.envs.rewards import REWARDS
+from workbench.model import LoraSettings
+from workbench.policy import SamplingParams
+from workbench.rl import phases
+from workbench.session import AdamParams, LossConfig, create_session
+from workbench.session.checkpoint import atomic_folder, is_complete
+
+
+def learning_rate(config: RunConfig, step: int) -> float:
+    """LR of a 1-based step: constant, or linear warm-up then cosine to zero."""
+    t = config.trainer
+    if t.lr_schedule == "constant":
+        return t.learning_rate
+    if step <= t.warmup_steps:
+        return t.learning_rate * step / max(t.warmup_steps, 1)
+    progress = (step - t.warmup_steps) / max(t.total_steps - t.warmup_steps, 1)
+    return t.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def step_mazes(config: RunConfig, step: int) -> list:
+    """The P training mazes of a 1-based step (disjoint from the eval seeds)."""
+    P = config.trainer.train_batch_size
+    seeds = train_seeds(start=(step - 1) * P + config.trainer.seed * 100_000_000)
+    return [init_state_of(make_maze(config.env.size, next(seeds))) for _ in range(P)]
+
+
+def step_seed(config: RunConfig, step: int) -> int:
+    """Sampling seed of a step."""
+    return config.trainer.seed * 1_000_003 + step
+
+
+def _rng_state() -> dict[str, Any]:
+    return {"python": repr(random.getstate()), "numpy": np.random.get_state()[1].tolist(),
+            "torch": torch.get_rng_state().tolist()}
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import ast
+
+    random.setstate(ast.literal_eval(state["python"]))
+    np_state = np.random.get_state()
+    np.random.set_state((np_state[0], np.array(state["numpy"], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+
+
+@dataclass
+class Trainer:
+    """A live run: its config, session and folder (a notebook can drive it step by step)."""
+
+    config: RunConfig
+    session: Any
+    run_dir: Path
+    step: int = 0  # last completed step
+    last_eval: Any = None  # the newest EvalRecord (its episodes feed the viewers)
+
+    @property
+    def training_client(self) -> Any:
+        return self.session.training_client
+
+
+def find_checkpoint(run_dir: Path, log: Any = print) -> Path | None:
+    """Newest complete checkpoint; incomplete ones (torn writes) are skipped and reported."""
+    marker = run_dir / rundir.LATEST
+    if marker.exists():
+        named = run_dir / "checkpoints" / f"global_step_{marker.read_text().strip()}"
+        if not is_complete(named):
+            log(f"latest marker points at {named.name}, which is incomplete: skipping it")
+    candidates = sorted((run_dir / "checkpoints").glob("global_step_*"),
+                        key=lambda p: int(p.name.rsplit("_", 1)[1]), reverse=True)
+    for folder in candidates:
+        if is_complete(folder):
+            return folder
+        log(f"skipping incomplete checkpoint {folder.name}")
+    return None
+
+
+def save_checkpoint(trainer: Trainer) -> Path:
+    """Full checkpoint of the current step (atomic), then the latest marker."""
+    folder = trainer.run_dir / "checkpoints" / f"global_step_{trainer.step}"
+    state_path = trainer.training_client.save_state_to(trainer.run_dir / ".state-tmp").result()
+
+    def write(tmp: Path) -> None:
+        shutil.copytree(state_path, tmp / "state")
+        rundir.write_json(tmp / "trainer_state.json", {
+            "step": trainer.step, "config": to_dict(trainer.config), "rng": _rng_state()})
+    atomic_folder(folder, write)
+    shutil.rmtree(state_path, ignore_errors=True)
+    (trainer.run_dir / rundir.LATEST).write_text(f"{trainer.step}\n")
+    return folder
+
+
+def start(config: RunConfig, log: Any = print) -> Trainer:
+    """Open (or resume) the run directory and the session; step 0 is checkpointed."""
+    run_dir = Path(config.run_dir)
+    t = config.trainer
+    if t.resume_mode == "none" and run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha)
+    session = create_session(config.model.name, lora, workdir=run_dir,
+                             dtype=getattr(torch, config.model.dtype), device=config.model.device)
+    trainer = Trainer(config, session, run_dir)
+    ckpt = Path(t.resume_path) if t.resume_mode == "from_path" else (
+        find_checkpoint(run_dir, log) if t.resume_mode == "latest" else None)
+    if ckpt is not None:
+        if not is_complete(ckpt):
+            raise FileNotFoundError(f"{ckpt} is not a complete checkpoint")
+        session.training_client.load_state(ckpt / "state").result()
+        state = rundir.json.loads((ckpt / "trainer_state.json").read_text())
+        trainer.step = int(state["step"])
+        _set_rng_state(state["rng"])
+        rundir.truncate_metrics(run_dir, trainer.step)
+        log(f"resumed from {ckpt} at step {trainer.step}")
+        return trainer
+    for stale in ("metrics.jsonl", rundir.LATEST):
+        (run_dir / stale).unlink(missing_ok=True)
+    rundir.write_json(run_dir / "config.json", to_dict(config))
+    rundir.write_manifest(run_dir, to_dict(config), session.describe(),
+                          [REWARDS[config.env.reward], phases.env_reward])
+    save_checkpoint(trainer)
+    return trainer
+
+
+def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
+    """Evaluate the current weights on the fixed set; writes eval/step_N.json."""
+    c = trainer.config
+    sampler = trainer.training_client.save_weights_and_get_sampling_client()
+    record = phases.evaluate(sampler, c.maze, eval_set(c.env.size, c.eval.n_mazes), name,
+                             c.eval.greedy, c.eval.sampled_passes, c.eval.temperature,
+                             c.generator.max_tokens)
+    rundir.write_json(trainer.run_dir / "eval" / f"step_{trainer.step:06d}.json",
+                      {"step": trainer.step, "results": [r.__dict__ for r in record.results]})
+    trainer.last_eval = record
+    return record
+
+
+def train_step(trainer: Trainer) -> dict[str, float]:
+    """One GRPO step; returns (and logs) its metrics row."""
+    c, step = trainer.config, trainer.step + 1
+    t0 = time.perf_counter()
+    sampler = trainer.training_client.save_weights_and_get_sampling_client()
+    params = SamplingParams(max_tokens=c.generator.max_tokens, temperature=c.generator.temperature)
+    ro = phases.rollout(sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt,
+                        params, step_seed(c, step))
+    sc = phases.score(ro)
+    adv = phases.advantages(sc.rewards_P_G, c.trainer.advantage)
+    datums = phases.make_datums(ro, adv)
+    loss_cfg = LossConfig(clip_low=c.trainer.clip_low, clip_high=c.trainer.clip_high,
+                          reduction=c.trainer.loss_reduction, temperature=params.temperature)
+    adam = AdamParams(learning_rate=learning_rate(c, step), grad_clip_norm=c.trainer.grad_clip_norm)
+    up = phases.update(trainer.training_client, datums, c.trainer.loss, loss_cfg, adam,
+                       c.trainer.minibatch)
+    trainer.step = step
+    row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
+    if c.trainer.keep_step_records:
+        index = [(p, g) for p, adv_G in enumerate(adv.advantages_P_G)
+                 for g, a in enumerate(adv_G) if a != 0.0]
+        rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
+                                sc.rewards_P_G, adv.advantages_P_G, index, datums,
+                                {"step": step, "adam": adam.__dict__, "loss_fn": c.trainer.loss,
+                                 "loss_config": loss_cfg.__dict__, "metrics": row})
+    rundir.append_metrics(trainer.run_dir, row)
+    return row
+
+
+def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
+                 adv: phases.AdvantageRecord, up: phases.UpdateRecord, seconds: float) -> dict:
+    flat = ro.flat
+    return {
+        "step": step,
+        "reward/mean": float(sc.rewards_P_G.mean()),
+        "reward/std": float(sc.rewards_P_G.std()),
+        "rollout/success_rate": float(np.mean([ep.success for ep in flat])),
+        "rollout/turns_mean": float(np.mean([ep.turns for ep in flat])),
+        "rollout/reply_tokens_mean": float(np.mean([sum(ep.stream.loss_mask_T) for ep in flat])),
+        "rollout/zero_variance_groups": adv.zero_variance_groups,
+        "rollout/zero_variance_frac": adv.zero_variance_groups / len(ro.episodes_P_G),
+        "update/datums": up.datums,
+        "update/loss": up.metrics.get("loss", 0.0),
+        "update/kl_sampler_trainer": up.metrics.get("kl_sampler_trainer", 0.0),
+        "update/entropy": up.metrics.get("entropy", 0.0),
+        "update/clip_fraction": up.metrics.get("clip_fraction", 0.0),
+        "update/tokens": up.metrics.get("tokens", 0),
+        "update/grad_norm": up.grad_norm,
+        "update/learning_rate": up.learning_rate,
+        "time/rollout": ro.seconds,
+        "time/update": up.seconds,
+        "time/step": seconds,
+    }
+
+
+def train(config: RunConfig, log: Any = print) -> Trainer:
+    """The loop: evaluate, then steps with eval / checkpoint / export intervals; final eval."""
+    trainer = start(config, log)
+    t = config.trainer
+    if trainer.step == 0:
+        _log_eval(trainer, run_eval(trainer, "grpo"), log)
+    while trainer.step < t.total_steps:
+        row = train_step(trainer)
+        log(f"step {row['step']:>4}  reward {row['reward/mean']:.3f}  success "
+            f"{row['rollout/success_rate']:.3f}  zero-var {row['rollout/zero_variance_groups']}"
+            f"  kl {row['update/kl_sampler_trainer']:.2e}  {row['time/step']:.1f}s")
+        if t.eval_interval and trainer.step % t.eval_interval == 0 \
+                or trainer.step == t.total_steps:
+            _log_eval(trainer, run_eval(trainer, "grpo"), log)
+        if t.hf_save_interval and trainer.step % t.hf_save_interval == 0 \
+                or trainer.step == t.total_steps:
+            trainer.training_client.export_adapter(
+                trainer.run_dir / "exports" / f"global_step_{trainer.step}").result()
+        if t.ckpt_interval and trainer.step % t.ckpt_interval == 0:
+            save_checkpoint(trainer)
+    return trainer
+
+
+def _log_eval(trainer: Trainer, record: phases.EvalRecord, log: Any) -> None:
+    row: dict[str, Any] = {"step": trainer.step}
+    for r in record.results:
+        log(f"eval step {trainer.step}: {r.mode} {r.solved:.1f}/{r.n_mazes} "
+            f"(ceiling {r.ceiling}/{r.n_mazes}), mean turns {r.mean_turns:.2f}")
+        row |= {f"eval/{r.mode}_success": r.success_rate, f"eval/{r.mode}_solved": r.solved,
+                f"eval/{r.mode}_turns": r.mean_turns, "eval/ceiling": r.ceiling,
+                "eval/n_mazes": r.n_mazes}
+    rundir.append_metrics(trainer.run_dir, row)

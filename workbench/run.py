@@ -1,0 +1,169 @@
+"""The run directory: config, manifest, metrics, eval results, step records, checkpoints.
+
+    run_dir/
+      config.json  manifest.json  metrics.jsonl          flat namespaced scalars, one row a step
+      eval/step_000010.json                              per-maze outcomes of each evaluation
+      steps/step_000007/{episodes.json,datums.safetensors}   what step 7 trained on (replay)
+      checkpoints/global_step_20/ (+ COMPLETE)           full state: weights, optimiser, RNGs, step
+      latest_checkpointed_iteration.txt                  written last, SkyRL's marker
+      exports/global_step_20/                            PEFT adapter (adapter_config.json, ...)
+
+Step records keep each datum's tokens and side tables as safetensors and each image as the
+(maze, position) it was rendered from, so `replay` rebuilds the exact batch without pickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import platform
+import subprocess
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from workbench.envs import InitState, MazeConfig, init_maze, render_image
+from workbench.policy import Stream, encode_image
+from workbench.rl.rollout import Episode
+from workbench.session.types import Datum
+
+LATEST = "latest_checkpointed_iteration.txt"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"python": platform.python_version()}
+    for name in ("workbench", "torch", "torchvision", "transformers", "peft", "numpy", "ray"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def source_hash(*objects: Any) -> str:
+    """sha256 of the source code of functions/classes (e.g. the reward functions)."""
+    digest = hashlib.sha256()
+    for obj in objects:
+        digest.update(inspect.getsource(obj).encode())
+    return digest.hexdigest()
+
+
+def write_manifest(run_dir: Path, config: dict, session_info: dict, reward_sources: list) -> None:
+    """manifest.json: versions, git commit, seeds, model id + weights hash, reward source hash."""
+    manifest = {
+        "versions": _versions(),
+        "git_commit": _git_commit(),
+        "seed": config["trainer"]["seed"],
+        "model": session_info,
+        "reward_source_sha256": source_hash(*reward_sources),
+    }
+    (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
+    """One JSON line of flat scalars."""
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """All metric rows (an unfinished last line from a killed writer is ignored)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break
+    return rows
+
+
+def truncate_metrics(run_dir: Path, last_step: int) -> None:
+    """Keep rows up to last_step (a resumed run rewrites what came after its checkpoint)."""
+    rows = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def episode_summary(ep: Episode) -> dict[str, Any]:
+    """What a viewer needs of an episode (no tokens)."""
+    return {"init_state": ep.init_state.to_dict(), "replies": ep.replies,
+            "actions": [a.kind if a.kind != "move" else f"move:{a.direction}" for a in ep.actions],
+            "feedback": ep.feedback, "positions": [list(p) for p in ep.positions],
+            "reward": ep.reward, "success": ep.success, "turns": ep.turns}
+
+
+def save_step_record(folder: Path, episodes_P_G: list[list[Episode]], rewards_P_G: np.ndarray,
+                     advantages_P_G: np.ndarray, datum_index: list[tuple[int, int]],
+                     datums: list[Datum], extra: dict[str, Any]) -> None:
+    """episodes.json (all episodes, rewards, advantages) + datums.safetensors (the batch)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    record = {"episodes_P_G": [[episode_summary(ep) for ep in g] for g in episodes_P_G],
+              "rewards_P_G": rewards_P_G.tolist(), "advantages_P_G": advantages_P_G.tolist(),
+              "datum_index": datum_index} | extra
+    tensors = {}
+    for k, d in enumerate(datums):
+        s = d.stream
+        tensors |= {f"{k}.tokens": torch.tensor(s.tokens_T), f"{k}.mm_types": torch.tensor(
+            s.mm_types_T), f"{k}.loss_mask": torch.tensor(s.loss_mask_T),
+            f"{k}.logprobs": torch.tensor(s.logprobs_T, dtype=torch.float32),
+            f"{k}.advantages": torch.tensor(d.advantages_T, dtype=torch.float64),
+            f"{k}.weights": torch.tensor(d.weights_T, dtype=torch.float64)}
+    save_file(tensors, str(folder / "datums.safetensors"))
+    (folder / "episodes.json").write_text(json.dumps(record))
+
+
+def load_step_record(folder: Path) -> dict[str, Any]:
+    """The episodes.json of a step record."""
+    return json.loads((Path(folder) / "episodes.json").read_text())
+
+
+def load_datums(folder: Path, processor: Any, config: MazeConfig) -> list[Datum]:
+    """Rebuild the exact datums of a step (images re-rendered from maze and position)."""
+    record = load_step_record(folder)
+    tensors = load_file(str(Path(folder) / "datums.safetensors"))
+    datums = []
+    for k, (p, g) in enumerate(record["datum_index"]):
+        ep = record["episodes_P_G"][p][g]
+        maze = init_maze(InitState.from_dict(ep["init_state"]))
+        n_images = int((tensors[f"{k}.tokens"] == processor.tokenizer.convert_tokens_to_ids(
+            "<|vision_start|>")).sum())
+        images = tuple(encode_image(processor, render_image(maze, tuple(pos), config.px_per_cell))
+                       for pos in ep["positions"][:n_images])
+        stream = Stream(tokens_T=tensors[f"{k}.tokens"].tolist(),
+                        mm_types_T=tensors[f"{k}.mm_types"].tolist(),
+                        loss_mask_T=tensors[f"{k}.loss_mask"].tolist(),
+                        logprobs_T=tensors[f"{k}.logprobs"].tolist(), images=images)
+        datums.append(Datum(stream, tuple(tensors[f"{k}.advantages"].tolist()),
+                            tuple(tensors[f"{k}.weights"].tolist())))
+    return datums
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Write JSON, creating the parent folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, default=_jsonable))
+
+
+def _jsonable(obj: Any) -> Any:
+    if hasattr(obj, "__dataclass_fields__"):
+        return asdict(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")

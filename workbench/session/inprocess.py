@@ -1,0 +1,310 @@
+"""The training-session primitives (seed 003 / Tinker's shape), in-process backend.
+
+    session = create_session(model="tiny", lora=LoraSettings(rank=8), workdir="runs/x")
+    tc = session.training_client
+    fb = tc.forward_backward(datums, "ppo")          # returns a future at once
+    opt = tc.optim_step(AdamParams(learning_rate=3e-4))  # queued behind forward_backward
+    fb.result(), opt.result()
+    sampler = tc.save_weights_and_get_sampling_client()
+    sampler.sample(prompt_stream, 4, SamplingParams()).result()
+
+Every call returns a `concurrent.futures.Future`. All calls that touch the model run on one
+worker thread in submission order, so a forward_backward and an optim_step may both be submitted
+before either is awaited. A SamplingClient is bound to the weights version it was created with:
+it swaps that LoRA snapshot in for its calls and the trainer's weights back afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench.envs import InitState, MazeConfig
+from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
+from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format, sample
+from workbench.policy.forward import token_logprobs
+from workbench.session import checkpoint
+from workbench.session.losses import LOSSES, REDUCTIONS, LossConfig, loss_metrics
+from workbench.session.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    OptimStepOutput,
+    SampleResponse,
+)
+
+KEEP_VERSIONS = 4  # sampler weight snapshots kept besides the newest
+
+
+@dataclass
+class ModelHost:
+    """Everything the worker thread owns: policy, optimiser, sampler weight versions."""
+
+    lm: LoadedModel  # lm.model is the peft-wrapped policy (or the bare model: full fine-tuning)
+    fmt: ChatFormat
+    lora: LoraSettings | None  # None = full fine-tuning (every parameter trains)
+    base_hash: str  # sha256 of the base weights (adapters refuse other bases)
+    workdir: Path
+    optimizer: torch.optim.Optimizer
+    opt_steps: int = 0
+    weights_id: int = 0  # bumps whenever the trainable weights change
+    versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    loaded_version: int | None = None  # which snapshot is in the model (None = trainer's)
+
+    @property
+    def pad_id(self) -> int:
+        return self.lm.processor.tokenizer.pad_token_id
+
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.lm.model.named_parameters() if p.requires_grad}
+
+
+def _with_trainer_weights(host: ModelHost) -> None:
+    if host.loaded_version is not None:
+        _copy_in(host, host.versions[-1])
+        host.loaded_version = None
+
+
+def _copy_in(host: ModelHost, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in host.trainable().items():
+            p.copy_(tensors[name])
+
+
+def _snapshot(host: ModelHost) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in host.trainable().items()}
+
+
+def _use_version(host: ModelHost, version: int) -> None:
+    """Put sampler version `version` into the model (the trainer's weights are kept aside)."""
+    trainer_current = host.loaded_version is None and version == host.weights_id
+    if host.loaded_version == version or trainer_current:
+        return
+    if version not in host.versions:
+        raise KeyError(f"sampler version {version} was dropped (only the last "
+                       f"{KEEP_VERSIONS + 1} are kept); get a new sampling client")
+    if host.loaded_version is None:
+        host.versions[-1] = _snapshot(host)  # the trainer's live weights
+    _copy_in(host, host.versions[version])
+    host.loaded_version = version
+
+
+def _forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
+             backward: bool) -> ForwardBackwardOutput:
+    if loss_fn not in LOSSES:
+        raise ValueError(f"unknown loss_fn {loss_fn!r}; choose one of {sorted(LOSSES)}")
+    _with_trainer_weights(host)
+    model = host.lm.model
+    model.train(backward)
+    with torch.set_grad_enabled(backward):
+        streams = [d.stream for d in datums]
+        logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
+                                           host.pad_id)
+        sampler_B_T = [torch.tensor(s.logprobs_T) for s in streams]
+        adv_B_T = [torch.tensor(d.advantages_T) for d in datums]
+        w_B_T = [torch.tensor(d.weights_T) for d in datums]
+        # Observation tokens (weight 0) may be banned for sampling (-inf): keep them out of
+        # the arithmetic, since 0 * -inf is nan.
+        logp_B_T = [torch.where(w != 0, lp, torch.zeros_like(lp)) for lp, w in zip(logp_B_T, w_B_T)]
+        loss_B_T = [LOSSES[loss_fn](lp, sp, a, w, cfg)
+                    for lp, sp, a, w in zip(logp_B_T, sampler_B_T, adv_B_T, w_B_T)]
+        loss = REDUCTIONS[cfg.reduction](loss_B_T, w_B_T)
+        if backward:
+            loss.backward()
+    model.eval()
+    detached = [lp.detach() for lp in logp_B_T]
+    metrics = {"loss": float(loss.detach())} | loss_metrics(detached, sampler_B_T, w_B_T,
+                                                   [e.detach() for e in ent_B_T], cfg)
+    return ForwardBackwardOutput(float(loss.detach()), metrics, [lp.tolist() for lp in detached])
+
+
+def _optim_step(host: ModelHost, adam: AdamParams) -> OptimStepOutput:
+    _with_trainer_weights(host)
+    params = list(host.trainable().values())
+    max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    for group in host.optimizer.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+    host.optimizer.step()
+    host.optimizer.zero_grad(set_to_none=True)
+    host.opt_steps += 1
+    host.weights_id += 1
+    return OptimStepOutput(step=host.opt_steps, grad_norm=grad_norm,
+                           learning_rate=adam.learning_rate)
+
+
+class SamplingClient:
+    """Samples from one frozen weights version of the policy."""
+
+    def __init__(self, session: Session, version: int) -> None:
+        self._session, self.version = session, version
+
+    def _submit(self, fn: Callable[[ModelHost], Any]) -> Future:
+        def run(host: ModelHost) -> Any:
+            _use_version(host, self.version)
+            return fn(host)
+        return self._session.submit(run)
+
+    def sample(self, prompt: Stream, num_samples: int, sampling_params: SamplingParams,
+               seed: int = 0) -> Future:
+        """num_samples replies to `prompt` -> Future[SampleResponse]."""
+        def run(host: ModelHost) -> SampleResponse:
+            gen = torch.Generator().manual_seed(seed)
+            done = sample(host.lm.model, host.fmt, [prompt], num_samples, sampling_params, gen,
+                          host.pad_id)
+            return SampleResponse(sequences=done[0])
+        return self._submit(run)
+
+    def compute_logprobs(self, prompt: Stream, temperature: float = 1.0) -> Future:
+        """Per-token log-probs of the prompt's own tokens -> Future[list[float]] (first is 0)."""
+        def run(host: ModelHost) -> list[float]:
+            with torch.no_grad():
+                logp, _ = token_logprobs(host.lm.model, [prompt], temperature, host.fmt.banned,
+                                         host.pad_id)
+            return logp[0].tolist()
+        return self._submit(run)
+
+    def rollout(self, config: MazeConfig, init_states_P: list[InitState], n: int,
+                params: SamplingParams, seed: int) -> Future:
+        """Play n episodes per maze beside the sampler -> Future[episodes_P_G]."""
+        from workbench.rl.rollout import play_model
+
+        def run(host: ModelHost) -> list:
+            gen = torch.Generator().manual_seed(seed)
+            return play_model(host.lm, config, init_states_P, n, params, gen)
+        return self._submit(run)
+
+
+class TrainingClient:
+    """The trainer side of a session: forward/backward, optimiser, state, sampler weights."""
+
+    def __init__(self, session: Session) -> None:
+        self._session = session
+
+    def forward(self, datums: list[Datum], loss_fn: str = "cross_entropy",
+                loss_fn_config: LossConfig | None = None) -> Future:
+        """Loss and trainer log-probs without gradients -> Future[ForwardBackwardOutput]."""
+        cfg = loss_fn_config or LossConfig()
+        return self._session.submit(lambda h: _forward(h, datums, loss_fn, cfg, backward=False))
+
+    def forward_backward(self, datums: list[Datum], loss_fn: str,
+                         loss_fn_config: LossConfig | None = None) -> Future:
+        """Accumulate gradients of the loss -> Future[ForwardBackwardOutput]."""
+        cfg = loss_fn_config or LossConfig()
+        return self._session.submit(lambda h: _forward(h, datums, loss_fn, cfg, backward=True))
+
+    def optim_step(self, adam: AdamParams) -> Future:
+        """Clip, step AdamW with `adam`, zero the grads -> Future[OptimStepOutput]."""
+        return self._session.submit(lambda h: _optim_step(h, adam))
+
+    def save_state(self, name: str) -> Future:
+        """Weights + optimiser to workdir/states/<name> (atomic) -> Future[path]."""
+        return self._session.submit(
+            lambda h: str(checkpoint.save_state(h, h.workdir / "states" / name)))
+
+    def save_state_to(self, folder: str | Path) -> Future:
+        """Weights + optimiser to an explicit folder (atomic) -> Future[path]."""
+        return self._session.submit(lambda h: str(checkpoint.save_state(h, Path(folder))))
+
+    def load_state(self, path: str | Path, with_optimizer: bool = True) -> Future:
+        """Restore weights (and the optimiser) from a saved state -> Future[None]."""
+        return self._session.submit(lambda h: checkpoint.load_state(h, Path(path), with_optimizer))
+
+    def load_adapter(self, folder: str | Path) -> Future:
+        """Load an exported PEFT adapter (same base model only) -> Future[None]."""
+        return self._session.submit(lambda h: checkpoint.load_adapter_weights(h, Path(folder)))
+
+    def save_weights_for_sampler(self, name: str) -> Future:
+        """Export the adapter in PEFT format to workdir/sampler_weights/<name> -> Future[path]."""
+        folder = self._session.workdir / "sampler_weights" / name
+        return self._session.submit(lambda h: str(checkpoint.export_adapter(h, folder)))
+
+    def export_adapter(self, folder: str | Path) -> Future:
+        """Export the adapter in PEFT format to `folder` -> Future[path]."""
+        return self._session.submit(lambda h: str(checkpoint.export_adapter(h, Path(folder))))
+
+    def export_model(self, folder: str | Path) -> Future:
+        """A complete checkpoint folder (LoRA merged in) that load_model reads -> Future[path]."""
+        return self._session.submit(lambda h: str(checkpoint.export_model(h, Path(folder))))
+
+    def save_weights_and_get_sampling_client(self) -> SamplingClient:
+        """Snapshot the current weights as a sampler version and return its client."""
+        def snap(host: ModelHost) -> int:
+            _with_trainer_weights(host)
+            host.versions[host.weights_id] = _snapshot(host)
+            for old in [v for v in host.versions if 0 <= v < host.weights_id - KEEP_VERSIONS]:
+                del host.versions[old]  # bounded memory: recent sampler versions only
+            return host.weights_id
+        return SamplingClient(self._session, self._session.submit(snap).result())
+
+    def get_tokenizer(self) -> Any:
+        """The policy's tokenizer."""
+        return self._session.host.lm.processor.tokenizer
+
+    def get_processor(self) -> Any:
+        """The policy's processor (tokenizer + image processor)."""
+        return self._session.host.lm.processor
+
+
+class Session:
+    """An in-process session: one model host and the thread that runs its calls in order."""
+
+    def __init__(self, host: ModelHost) -> None:
+        self.host = host
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-session")
+        self.training_client = TrainingClient(self)
+
+    @property
+    def workdir(self) -> Path:
+        return self.host.workdir
+
+    def submit(self, fn: Callable[[ModelHost], Any]) -> Future:
+        """Queue fn(host) behind every call submitted before it."""
+        return self._pool.submit(fn, self.host)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+    def describe(self) -> dict[str, Any]:
+        """Model source, base hash, LoRA settings (for manifests)."""
+        lora = asdict(self.host.lora) if self.host.lora else None
+        return {"model": self.host.lm.source, "model_path": self.host.lm.path,
+                "base_weights_sha256": self.host.base_hash, "lora": lora}
+
+
+def create_session(
+    model: str = "tiny",
+    lora: LoraSettings | None = LoraSettings(),
+    workdir: str | Path = "runs/session",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Session:
+    """Load the base, hash it, wrap it in LoRA (None: train all weights), start the worker."""
+    lm = load_model(model, dtype=dtype, device=device)
+    base_hash = weights_hash(lm.model)
+    if lora is not None:
+        lm.model = add_lora(lm.model, lora).eval()
+    params = [p for p in lm.model.parameters() if p.requires_grad]
+    host = ModelHost(
+        lm=lm, fmt=chat_format(lm.processor), lora=lora, base_hash=base_hash,
+        workdir=Path(workdir), optimizer=torch.optim.AdamW(params, lr=1e-4),
+    )
+    return Session(host)
+
+
+def create_session_from_state(path: str | Path, with_optimizer: bool = True,
+                              **kwargs: Any) -> Session:
+    """A session resumed from a saved state (weights and, by default, optimiser)."""
+    meta = json.loads((Path(path) / checkpoint.SESSION_FILE).read_text())
+    lora = None if meta["lora"] is None else LoraSettings(
+        **{k: tuple(v) if isinstance(v, list) else v for k, v in meta["lora"].items()})
+    session = create_session(model=meta["model"], lora=lora, **kwargs)
+    session.training_client.load_state(path, with_optimizer).result()
+    return session

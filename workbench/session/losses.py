@@ -1,0 +1,108 @@
+"""Per-token policy losses, one function each, picked by name from `LOSSES`.
+
+Every loss sees, for one datum, the trainer's log-probs `logp_T` (differentiable), the sampler's
+`sampler_logp_T`, per-token advantages `adv_T` and weights `w_T` (the loss mask, 0 on
+observation tokens), and returns the per-token loss `loss_T`; the caller sums it (Tinker's
+convention) or applies a mean reduction. With r = exp(logp - sampler_logp):
+
+    cross_entropy        -(w * logp)
+    importance_sampling  -(w * r * A)
+    ppo                  -(w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A))
+    cispo                -(w * stopgrad(clip(r, 0, cispo_max)) * logp * A)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """Knobs of the policy losses (SkyRL's PPO defaults: clip 0.2 / 0.2)."""
+
+    clip_low: float = 0.2  # PPO: ratio floor is 1 - clip_low
+    clip_high: float = 0.2  # PPO: ratio ceiling is 1 + clip_high
+    cispo_max: float = 4.0  # CISPO: ratio weights clipped to [0, cispo_max]
+    reduction: str = "sum"  # "sum" | "token_mean" | "sequence_mean"
+    temperature: float = 1.0  # trainer log-probs at the sampling temperature
+
+    def __post_init__(self) -> None:
+        if self.reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {sorted(REDUCTIONS)}, "
+                             f"got {self.reduction!r}")
+
+
+def cross_entropy(logp_T, sampler_logp_T, adv_T, w_T, cfg: LossConfig) -> torch.Tensor:
+    """Supervised: -(w * logp)."""
+    return -(w_T * logp_T)
+
+
+def importance_sampling(logp_T, sampler_logp_T, adv_T, w_T, cfg: LossConfig) -> torch.Tensor:
+    """REINFORCE with an importance ratio: -(w * r * A)."""
+    ratio_T = torch.exp(logp_T - sampler_logp_T)
+    return -(w_T * ratio_T * adv_T)
+
+
+def ppo(logp_T, sampler_logp_T, adv_T, w_T, cfg: LossConfig) -> torch.Tensor:
+    """Clipped surrogate: -(w * min(r A, clip(r) A))."""
+    ratio_T = torch.exp(logp_T - sampler_logp_T)
+    clipped_T = torch.clamp(ratio_T, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+    return -(w_T * torch.minimum(ratio_T * adv_T, clipped_T * adv_T))
+
+
+def cispo(logp_T, sampler_logp_T, adv_T, w_T, cfg: LossConfig) -> torch.Tensor:
+    """Clipped IS-weight policy optimisation: -(w * sg(clip(r, 0, max)) * logp * A)."""
+    weight_T = torch.clamp(torch.exp(logp_T - sampler_logp_T), 0.0, cfg.cispo_max).detach()
+    return -(w_T * weight_T * logp_T * adv_T)
+
+
+LossFn = Callable[..., torch.Tensor]
+LOSSES: dict[str, LossFn] = {
+    "cross_entropy": cross_entropy,
+    "importance_sampling": importance_sampling,
+    "ppo": ppo,
+    "cispo": cispo,
+}
+
+
+def _sum(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([x.sum() for x in loss_B_T]).sum()
+
+
+def _token_mean(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tensor:
+    tokens = sum(float((w != 0).sum()) for w in w_B_T)
+    return _sum(loss_B_T, w_B_T) / max(tokens, 1.0)
+
+
+def _sequence_mean(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tensor:
+    per_seq = [x.sum() / max(float((w != 0).sum()), 1.0) for x, w in zip(loss_B_T, w_B_T)]
+    return torch.stack(per_seq).mean()
+
+
+REDUCTIONS: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]] = {
+    "sum": _sum,
+    "token_mean": _token_mean,
+    "sequence_mean": _sequence_mean,
+}
+
+
+def loss_metrics(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg: LossConfig) -> dict[str, float]:
+    """KL(sampler || trainer) (k3 estimator), clip fraction, entropy and token count."""
+    with torch.no_grad():
+        mask = torch.cat([w != 0 for w in w_B_T])
+        if not bool(mask.any()):
+            return {"kl_sampler_trainer": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}
+        logp = torch.cat(logp_B_T)[mask]
+        sampler = torch.cat(sampler_B_T)[mask]
+        log_ratio = logp - sampler  # log (trainer / sampler)
+        ratio = log_ratio.exp()
+        clipped = (ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)
+        return {
+            "kl_sampler_trainer": float((ratio - 1.0 - log_ratio).mean()),
+            "clip_fraction": float(clipped.float().mean()),
+            "entropy": float(torch.cat(entropy_B_T)[mask].mean()),
+            "tokens": int(mask.sum()),
+        }

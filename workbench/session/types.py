@@ -1,0 +1,66 @@
+"""Plain records crossing the session boundary (the same for in-process and Ray backends)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from workbench.policy.stream import Stream
+
+
+@dataclass(frozen=True)
+class Datum:
+    """One training sequence: the stream (tokens, images, loss mask, sampler log-probs) plus
+    per-token advantages and weights (both length T; weights default to the loss mask)."""
+
+    stream: Stream
+    advantages_T: tuple[float, ...]
+    weights_T: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        T = len(self.stream)
+        if len(self.advantages_T) != T or len(self.weights_T) != T:
+            raise ValueError(f"datum tables must have the stream's length {T}: advantages "
+                             f"{len(self.advantages_T)}, weights {len(self.weights_T)}")
+
+
+def datum_from_stream(stream: Stream, advantage: float = 0.0) -> Datum:
+    """A datum whose reply tokens (loss mask 1) all carry `advantage` and weight 1."""
+    mask = tuple(float(m) for m in stream.loss_mask_T)
+    return Datum(stream=stream, advantages_T=tuple(advantage * m for m in mask), weights_T=mask)
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """One optimiser step's hyper-parameters (Tinker's AdamParams)."""
+
+    learning_rate: float = 1e-4  # step size for this step (an LR schedule sets it per step)
+    beta1: float = 0.9  # first-moment decay
+    beta2: float = 0.95  # second-moment decay
+    eps: float = 1e-8  # denominator epsilon
+    weight_decay: float = 0.0  # decoupled (AdamW) weight decay
+    grad_clip_norm: float = 1.0  # clip the global grad norm to this (0 = no clipping)
+
+
+@dataclass(frozen=True)
+class ForwardBackwardOutput:
+    """Loss and diagnostics of one forward(_backward) call; logprobs_B_T are the trainer's."""
+
+    loss: float
+    metrics: dict[str, float]
+    logprobs_B_T: list[list[float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class OptimStepOutput:
+    """What one optimiser step did."""
+
+    step: int  # optimiser steps taken so far
+    grad_norm: float  # global grad norm before clipping
+    learning_rate: float
+
+
+@dataclass(frozen=True)
+class SampleResponse:
+    """Completions for one prompt (see workbench.policy.Completion)."""
+
+    sequences: list  # list[Completion]
