@@ -16,7 +16,13 @@ import torch
 from workbench.envs import MazeConfig, MazeEnv, eval_set
 from workbench.model import load_model
 from workbench.policy import (
-    SamplingParams, append_user, chat_format, decode, encode_image, extend, open_batch,
+    SamplingParams,
+    append_user,
+    chat_format,
+    decode,
+    encode_image,
+    extend,
+    open_batch,
     start_stream,
 )
 from workbench.rl import play_model
@@ -91,6 +97,50 @@ def bench_rollout(mazes: int = 8, group: int = 8, repeats: int = 3) -> dict[str,
     return {"rollout_s": seconds, "turns_per_s": statistics.median(turns) / seconds}
 
 
+def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
+    """Median per-phase seconds of one GRPO step in the demo shape (8 mazes x 8 samples, 7x7,
+    15 turns, LoRA 32). The untrained tiny model earns no reward, so advantages are set to +-1
+    by episode parity: the update does the same work as with real signal."""
+    import resource
+
+    from workbench.config import PRESETS
+    from workbench.rl import phases
+    from workbench.rl.train import step_mazes
+    from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
+
+    config = PRESETS["tiny"]
+    session = create_session("tiny", workdir="/tmp/workbench-bench")
+    tc = session.training_client
+    out = {k: [] for k in ("rollout", "score", "advantages", "update", "eval", "sampled_tokens_s",
+                           "update_tokens_s")}
+    for r in range(repeats):
+        sampler = tc.save_weights_and_get_sampling_client()
+        ro = phases.rollout(sampler, config.maze, step_mazes(config, r + 1), 8,
+                            SamplingParams(max_tokens=2, temperature=1.0), seed=r)
+        t0 = time.perf_counter()
+        sc = phases.score(ro)
+        t1 = time.perf_counter()
+        phases.advantages(sc.rewards_P_G, "grpo")
+        t2 = time.perf_counter()
+        datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
+                  for k, ep in enumerate(ro.flat)]
+        up = phases.update(tc, datums, "ppo", LossConfig(reduction="token_mean"),
+                           AdamParams(learning_rate=1e-4))
+        ev = phases.evaluate(sampler, config.maze, eval_set(7, 64), greedy=True,
+                             sampled_passes=0, max_tokens=2)
+        sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
+        tokens = sum(len(d.stream) for d in datums)
+        for key, value in (("rollout", ro.seconds), ("score", t1 - t0), ("advantages", t2 - t1),
+                           ("update", up.seconds), ("eval", ev.seconds),
+                           ("sampled_tokens_s", sampled / ro.seconds),
+                           ("update_tokens_s", tokens / up.seconds)):
+            out[key].append(value)
+    result = {k: statistics.median(v) for k, v in out.items()}
+    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+    session.close()
+    return result
+
+
 def main() -> None:
     torch.set_num_threads(1)
     print(f"env: {bench_env():,.0f} steps/s (7x7, 32 px, render every step, 1 thread)")
@@ -102,6 +152,13 @@ def main() -> None:
     r = bench_rollout()
     print(f"rollout (tiny, 8 mazes x 8 samples, 15 turns, 2-token replies, 2 threads): "
           f"{r['rollout_s']:.2f} s, {r['turns_per_s']:.0f} turns/s")
+    g = bench_grpo_step()
+    print("GRPO step (demo shape: 8 mazes x 8 samples, 7x7, 15 turns, LoRA 32, 2 threads), "
+          f"median s: rollout {g['rollout']:.2f}, score {g['score']:.4f}, advantages "
+          f"{g['advantages']:.4f}, update {g['update']:.2f}, eval (64 mazes greedy) "
+          f"{g['eval']:.2f}")
+    print(f"  sampled {g['sampled_tokens_s']:,.0f} reply tokens/s, update "
+          f"{g['update_tokens_s']:,.0f} tokens/s, peak RSS {g['peak_rss_gb']:.2f} GB")
 
 
 if __name__ == "__main__":

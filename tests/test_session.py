@@ -361,11 +361,13 @@ def test_save_state_after_sampling_saves_the_trainers_weights(make_session, orac
     a = make_session("a")
     old = a.training_client.save_weights_and_get_sampling_client()
     _step(a, oracle_datums)
+    trained = _trainable(a)
     old.compute_logprobs(oracle_datums[0].stream).result()  # version 0 now in the model
     path = a.training_client.save_state("after").result()
     b = create_session_from_state(path, workdir=tmp_path / "b")
-    trained = _trainable(a)
     assert all(torch.equal(trained[n], t) for n, t in _trainable(b).items())
+    loss = a.training_client.forward(oracle_datums).result().loss
+    assert b.training_client.forward(oracle_datums).result().loss == loss
     b.close()
 
 

@@ -16,7 +16,6 @@ import ast
 import dataclasses
 import difflib
 import inspect
-import json
 import typing
 from dataclasses import dataclass, field
 from functools import cache
@@ -264,6 +263,9 @@ def validate(config: RunConfig) -> None:
     for key in positive:
         if values[key] < 1:
             raise ConfigError(f"{key} must be >= 1, got {values[key]}")
+    for key, value in values.items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
+            raise ConfigError(f"{key} must not be negative, got {value}")
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
     if values["trainer.resume_mode"] == "from_path" and not values["trainer.resume_path"]:
@@ -306,15 +308,29 @@ def to_dict(config: RunConfig) -> dict[str, Any]:
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:
-    """Inverse of to_dict; unknown keys raise ConfigError."""
-    overrides = []
-    for key, value in data.items():
+    """Inverse of to_dict (values kept exactly); unknown keys raise ConfigError."""
+    sections = {}
+    for f in dataclasses.fields(RunConfig):
+        if f.name not in data:
+            continue
+        value = data[f.name]
         if isinstance(value, dict):
-            overrides += [f"{key}.{k}={json.dumps(v) if isinstance(v, str) else v}"
-                          for k, v in value.items()]
-        else:
-            overrides.append(f"{key}={value}")
-    return apply_overrides(RunConfig(), [o.replace('"', "") for o in overrides])
+            cls = typing.get_type_hints(RunConfig)[f.name]
+            names = {g.name for g in dataclasses.fields(cls)}
+            unknown = sorted(set(value) - names)
+            if unknown:
+                close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.5)
+                raise ConfigError(f"unknown config key {f.name}.{unknown[0]}"
+                                  f" (closest: {', '.join(close) or 'none'}; "
+                                  f"valid: {', '.join(sorted(names))})")
+            value = cls(**value)
+        sections[f.name] = value
+    unknown = sorted(set(data) - set(sections))
+    if unknown:
+        raise ConfigError(f"unknown config sections {unknown}")
+    config = RunConfig(**sections)
+    validate(config)
+    return config
 
 
 PRESETS: dict[str, RunConfig] = {

@@ -69,16 +69,16 @@ def _write_adapter(host: ModelHost, folder: Path) -> None:
         host.lm.model.save_pretrained(str(folder))
 
 
-def _read_adapter(host: ModelHost, folder: Path) -> None:
+def _set_weights(host: ModelHost, tensors: dict[str, torch.Tensor], folder: Path) -> None:
     from peft import set_peft_model_state_dict
 
     if host.lora is None:
-        missing = set(host.trainable()) - set(load_file(str(folder / FULL_FILE)))
+        missing = set(host.trainable()) - set(tensors)
         if missing:
             raise ValueError(f"{folder} lacks weights for {sorted(missing)[:3]}")
-        host.lm.model.load_state_dict(load_file(str(folder / FULL_FILE)), strict=False)
+        host.lm.model.load_state_dict(tensors, strict=False)
         return
-    result = set_peft_model_state_dict(host.lm.model, load_file(str(folder / ADAPTER_FILE)))
+    result = set_peft_model_state_dict(host.lm.model, tensors)
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"unexpected adapter keys in {folder}: {result.unexpected_keys[:3]}")
 
@@ -141,24 +141,49 @@ def save_state(host: ModelHost, folder: Path) -> Path:
     return atomic_folder(folder, write)
 
 
-def load_state(host: ModelHost, folder: Path, with_optimizer: bool = True) -> None:
-    """Restore adapter weights (and optimiser state) from a complete state folder."""
-    from workbench.session.inprocess import _with_trainer_weights
+REQUIRED = (SESSION_FILE, "optimizer.safetensors")
 
-    folder = Path(folder)
+
+def _read_state(folder: Path, host: ModelHost, with_optimizer: bool) -> dict:
+    """Read and check every file of a state folder before anything is changed."""
     if not is_complete(folder):
         raise IncompleteCheckpoint(f"{folder} has no {COMPLETE} marker: not loading it")
-    meta = json.loads((folder / SESSION_FILE).read_text())
+    weights = FULL_FILE if host.lora is None else ADAPTER_FILE
+    needed = [SESSION_FILE, weights] + (["optimizer.safetensors"] if with_optimizer else [])
+    missing = [name for name in needed if not (folder / name).is_file()]
+    if missing:
+        raise IncompleteCheckpoint(f"{folder} lacks {missing}: not loading it")
+    try:
+        meta = json.loads((folder / SESSION_FILE).read_text())
+        weights_T = load_file(str(folder / weights))
+        optim_T = load_file(str(folder / "optimizer.safetensors")) if with_optimizer else None
+    except Exception as err:  # truncated or corrupted files
+        raise IncompleteCheckpoint(f"{folder} is unreadable ({type(err).__name__}: {err})") from err
+    _check_compatible(meta, host, folder)
+    return {"meta": meta, "weights": weights_T, "optimizer": optim_T}
+
+
+def _check_compatible(meta: dict, host: ModelHost, folder: Path) -> None:
     if meta["base_weights_sha256"] != host.base_hash:
         raise ValueError(f"state {folder} was trained on base {meta['base_weights_sha256'][:12]}"
                          f" but this session's base is {host.base_hash[:12]}")
+    if meta["lora"] != json.loads(json.dumps(_lora_dict(host))):  # JSON turns tuples to lists
+        raise ValueError(f"state {folder} has LoRA settings {meta['lora']}, this session "
+                         f"{_lora_dict(host)}")
+
+
+def load_state(host: ModelHost, folder: Path, with_optimizer: bool = True) -> None:
+    """Restore adapter weights (and optimiser state) from a complete state folder; nothing
+    changes unless every file is present and readable."""
+    from workbench.session.inprocess import _with_trainer_weights
+
+    state = _read_state(Path(folder), host, with_optimizer)
     _with_trainer_weights(host)
-    _read_adapter(host, folder)
-    host.opt_steps = int(meta["optimizer_steps"])
+    _set_weights(host, state["weights"], Path(folder))
+    host.opt_steps = int(state["meta"]["optimizer_steps"])
     host.weights_id += 1
     if with_optimizer:
-        _load_optimizer(host, load_file(str(folder / "optimizer.safetensors")),
-                        meta["param_names"])
+        _load_optimizer(host, state["optimizer"], state["meta"]["param_names"])
 
 
 def _load_optimizer(host: ModelHost, tensors: dict[str, torch.Tensor], names: list[str]) -> None:
@@ -177,10 +202,13 @@ def _load_optimizer(host: ModelHost, tensors: dict[str, torch.Tensor], names: li
 
 
 def load_adapter_weights(host: ModelHost, folder: Path) -> None:
-    """Load an exported PEFT adapter into the session's LoRA; refuses another base model."""
+    """Load an exported PEFT adapter into the session's LoRA; refuses another base model and
+    other LoRA settings."""
     from workbench.session.inprocess import _with_trainer_weights
 
     folder = Path(folder)
+    if host.lora is None:
+        raise ValueError("this session has no LoRA to load an adapter into")
     meta_file = folder / "workbench_adapter.json"
     if meta_file.exists():
         meta = json.loads(meta_file.read_text())
@@ -188,8 +216,11 @@ def load_adapter_weights(host: ModelHost, folder: Path) -> None:
             raise ValueError(f"adapter {folder} was trained on base {meta['base_model']} "
                              f"({meta['base_weights_sha256'][:12]}), not on this session's base "
                              f"{host.lm.source} ({host.base_hash[:12]})")
-    if host.lora is None:
-        raise ValueError("this session has no LoRA to load an adapter into")
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if (config["r"], config["lora_alpha"]) != (host.lora.rank, host.lora.alpha):
+        raise ValueError(f"adapter {folder} has rank/alpha {config['r']}/{config['lora_alpha']},"
+                         f" this session {host.lora.rank}/{host.lora.alpha}")
+    tensors = load_file(str(folder / ADAPTER_FILE))
     _with_trainer_weights(host)
-    _read_adapter(host, folder)
+    _set_weights(host, tensors, folder)
     host.weights_id += 1
