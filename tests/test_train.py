@@ -24,18 +24,19 @@ from workbench.rl.sft import run_sft
 from workbench.run import read_metrics
 
 SMALL = [
-    "env.size=5", "generator.max_turns=4", "generator.max_tokens=2",
+    "env.size=5", "generator.max_turns=6", "generator.max_tokens=2",
     "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
     "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
+    "env.format_weight=0.5",
 ]
 
 
 @pytest.fixture(scope="session")
 def sft_model(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> str:
-    """A tiny Qwen3-VL after a short SFT on 5x5 oracle episodes."""
+    """A tiny Qwen3-VL after a short SFT on 5x5 oracle episodes (weak: ~2/16 solved)."""
     out = tmp_path_factory.mktemp("sft")
     config = apply_overrides(PRESETS["tiny"], SMALL + [
-        f"model.name={tiny_dir}", "sft.steps=40", "sft.batch_size=8", "sft.learning_rate=1e-3",
+        f"model.name={tiny_dir}", "sft.steps=120", "sft.batch_size=8", "sft.learning_rate=1e-3",
         f"run_dir={out}"])
     return str(run_sft(config, log=lambda *_: None))
 
@@ -123,8 +124,23 @@ def test_truncated_checkpoint_is_skipped(straight_run: Path, tmp_path: Path) -> 
 
     run_dir = tmp_path / "copy"
     shutil.copytree(straight_run, run_dir)
-    (run_dir / "checkpoints/global_step_4").mkdir(exist_ok=True)
-    (run_dir / "latest_checkpointed_iteration.txt").write_text("4\n")  # points at a torn write
+    (run_dir / "checkpoints/global_step_4/COMPLETE").unlink()  # as if killed mid-write
+    (run_dir / "latest_checkpointed_iteration.txt").write_text("4\n")
     messages: list[str] = []
     assert find_checkpoint(run_dir, messages.append).name == "global_step_2"
     assert "incomplete" in messages[0]
+
+
+def test_grpo_improves_success_on_a_fixed_set(sft_model: str, tmp_path: Path) -> None:
+    from workbench.rl.train import train
+
+    config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path / "e2e", [
+        "env.format_weight=0.0", "eval.n_mazes=16", "eval.sampled_passes=2",
+        "generator.n_samples_per_prompt=8", "trainer.train_batch_size=4",
+        "trainer.total_steps=6", "trainer.learning_rate=2e-3",
+        "trainer.loss_reduction=sequence_mean", "trainer.eval_interval=3",
+        "trainer.ckpt_interval=0", "trainer.hf_save_interval=0", "trainer.resume_mode=none"]))
+    train(config, log=lambda *_: None)
+    evals = [r for r in read_metrics(tmp_path / "e2e") if "eval/greedy_solved" in r]
+    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert evals[-1]["eval/greedy_solved"] >= evals[0]["eval/greedy_solved"] + 3, evals

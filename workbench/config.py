@@ -92,7 +92,7 @@ class TrainerConfig:
     """GRPO steps (one rollout batch and one optimiser step each)."""
     train_batch_size: int = 8
     """P: mazes per step."""
-    learning_rate: float = 3e-4
+    learning_rate: float = 1e-4
     """Peak learning rate."""
     lr_schedule: str = "constant"
     """constant | warmup_cosine."""
@@ -100,8 +100,9 @@ class TrainerConfig:
     """Linear warm-up steps (warmup_cosine)."""
     loss: str = "ppo"
     """Policy loss: ppo | importance_sampling | cispo | cross_entropy."""
-    loss_reduction: str = "token_mean"
-    """sum | token_mean | sequence_mean."""
+    loss_reduction: str = "sequence_mean"
+    """sequence_mean (each episode weighs the same) | token_mean | sum. token_mean lets long
+    failing episodes outweigh short successes, which unlearned the SFT policy in our runs."""
     clip_low: float = 0.2
     """PPO ratio floor 1 - clip_low."""
     clip_high: float = 0.2

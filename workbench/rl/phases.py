@@ -207,8 +207,9 @@ class EvalRecord:
 
 def evaluate(sampler, config: MazeConfig, states: list[InitState], name: str = "policy",
              greedy: bool = True, sampled_passes: int = 2, temperature: float = 1.0,
-             max_tokens: int = 4, seed: int = 12345) -> EvalRecord:
-    """Success on the fixed set, greedy and/or sampled (passes = episodes per maze)."""
+             max_tokens: int = 4, seed: int = 12345, keep_streams: bool = False) -> EvalRecord:
+    """Success on the fixed set, greedy and/or sampled (passes = episodes per maze).
+    Episodes keep their replies and positions; token streams only with keep_streams."""
     start = time.perf_counter()
     runs = [("greedy", 1, 0.0)] if greedy else []
     runs += [("sampled", sampled_passes, temperature)] if sampled_passes > 0 else []
@@ -216,6 +217,9 @@ def evaluate(sampler, config: MazeConfig, states: list[InitState], name: str = "
     for mode, n, temp in runs:
         params = SamplingParams(max_tokens=max_tokens, temperature=temp)
         eps = sampler.rollout(config, states, n, params, seed).result()
+        if not keep_streams:  # token streams hold every image's pixels: ~1 MB a turn
+            for ep in (ep for group in eps for ep in group):
+                ep.stream = None
         episodes[mode] = eps
         results.append(summarize(name, mode, eps, states, config))
     return EvalRecord(results, episodes, time.perf_counter() - start)

@@ -10,6 +10,7 @@ appending, so the record holds exactly the tokens the sampler saw and produced.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,9 +66,19 @@ def user_text(obs: dict[str, Any], info: dict[str, Any], config: MazeConfig) -> 
 
 
 def observe(stream: Stream, processor: Any, fmt: Any, obs: dict, info: dict,
-            config: MazeConfig) -> Stream:
-    """Append the user turn for an observation: its image (if shown) and user_text."""
-    image = encode_image(processor, obs["image"]) if config.observation == "image" else None
+            config: MazeConfig, cache: dict | None = None) -> Stream:
+    """Append the user turn for an observation: its image (if shown) and user_text.
+
+    `cache` (image bytes digest -> VisionInput) shares the processed pixels of identical
+    images, e.g. the G episodes of one maze standing on the same square."""
+    image = None
+    if config.observation == "image":
+        key = hashlib.sha1(obs["image"].tobytes()).digest()
+        if cache is None or key not in cache:
+            image = encode_image(processor, obs["image"])
+            if cache is not None:
+                cache[key] = image
+        image = image or cache[key]
     return append_user(stream, processor, fmt, user_text(obs, info, config), image)
 
 
@@ -100,11 +111,11 @@ def play_model(
     fmt = chat_format(lm.processor)
     pad_id = lm.processor.tokenizer.pad_token_id
     system = start_stream(lm.processor, fmt, system_prompt(config))
-    envs, episodes, first_streams = [], [], []
+    envs, episodes, first_streams, images = [], [], [], {}
     for state in init_states_P:
         env = MazeEnv(config)
         obs, info = env.reset(options={"init_state": state})
-        first_streams.append(observe(system, lm.processor, fmt, obs, info, config))
+        first_streams.append(observe(system, lm.processor, fmt, obs, info, config, images))
         for _ in range(n):
             env = MazeEnv(config)
             env.reset(options={"init_state": state})
@@ -121,7 +132,7 @@ def play_model(
             streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
             obs, info = _record_step(episodes[i], envs[i], reply)
             if not envs[i].done:
-                streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config)
+                streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config, images)
             episodes[i].stream = streams[i]
         keep = [b for b, i in enumerate(rows) if not envs[i].done]
         rows = [rows[b] for b in keep]
