@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo bench lint lock clean
+.PHONY: setup test demo demo-long bench lint lock clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ test: setup lint
 
 demo: setup
 	$(BIN)/python -m workbench demo --out runs/demo
+
+demo-long: setup
+	$(BIN)/python -m workbench demo --out runs/demo-long --long
 
 bench: setup
 	$(BIN)/python benchmarks/bench.py

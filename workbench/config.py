@@ -279,14 +279,14 @@ def validate(config: RunConfig) -> None:
 
 @cache
 def field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of a dataclass (read from its source)."""
+    """The docstring under each field of a dataclass (read from its source), on one line."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-            docs[node.target.id] = nxt.value.value
+            docs[node.target.id] = " ".join(nxt.value.value.split())  # one line
     return docs
 
 

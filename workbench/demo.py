@@ -23,19 +23,21 @@ from workbench.envs import eval_set
 from workbench.rl import SCRIPTED, EvalResult, format_table, play_scripted, summarize
 
 DEMO_OVERRIDES = [
-    "sft.steps=150", "sft.batch_size=8", "sft.learning_rate=3e-4",
-    "trainer.total_steps=20", "trainer.train_batch_size=8", "generator.n_samples_per_prompt=8",
-    "trainer.learning_rate=3e-4", "trainer.eval_interval=10", "trainer.ckpt_interval=10",
-    "trainer.hf_save_interval=10", "eval.sampled_passes=4",
+    "sft.steps=240", "sft.batch_size=8", "sft.learning_rate=3e-4",
+    "trainer.total_steps=16", "trainer.train_batch_size=8", "generator.n_samples_per_prompt=8",
+    "trainer.learning_rate=1e-4", "trainer.loss_reduction=sequence_mean",
+    "trainer.eval_interval=16", "trainer.ckpt_interval=8", "trainer.hf_save_interval=8",
+    "eval.sampled_passes=2",
 ]
-LONG_OVERRIDES = DEMO_OVERRIDES + ["sft.steps=400", "trainer.total_steps=80",
-                                   "trainer.eval_interval=20", "trainer.ckpt_interval=20"]
+LONG_OVERRIDES = DEMO_OVERRIDES + [
+    "sft.steps=400", "trainer.total_steps=60", "trainer.eval_interval=20",
+    "trainer.ckpt_interval=20", "trainer.hf_save_interval=20", "eval.sampled_passes=4"]
 
 
-def demo_config(out: Path, long: bool = False) -> RunConfig:
-    """The demo's settings (tiny preset plus DEMO_OVERRIDES or LONG_OVERRIDES)."""
-    return apply_overrides(PRESETS["tiny"], LONG_OVERRIDES if long else DEMO_OVERRIDES
-                           + [f"run_dir={out / 'grpo'}"])
+def demo_config(out: Path, long: bool = False, overrides: tuple[str, ...] = ()) -> RunConfig:
+    """The demo's settings: tiny preset + DEMO_OVERRIDES (or LONG_OVERRIDES) + overrides."""
+    chosen = LONG_OVERRIDES if long else DEMO_OVERRIDES
+    return apply_overrides(PRESETS["tiny"], chosen + [f"run_dir={out / 'grpo'}", *overrides])
 
 
 def baselines(config: RunConfig) -> list[EvalResult]:
@@ -56,14 +58,14 @@ def seed_table(before: list[EvalResult], after: list[EvalResult]) -> str:
     return "\n".join(lines)
 
 
-def run_demo(out: str | Path, long: bool = False) -> dict:
+def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = ()) -> dict:
     """Baselines, SFT, GRPO, tables and pictures; returns the summary written to summary.json."""
     from workbench.rl.sft import run_sft
     from workbench.rl.train import train
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config = demo_config(out, long)
+    config = demo_config(out, long, overrides)
     t0 = time.perf_counter()
     base = baselines(config)
     print(format_table(base))

@@ -121,8 +121,12 @@ def run_sft(config: Any, log: Any = print) -> Path:
                              dtype=getattr(torch, config.model.dtype), device=config.model.device)
     adam = AdamParams(learning_rate=config.sft.learning_rate)
     seeds = train_seeds(start=SFT_SEED_OFFSET + config.trainer.seed * 100_000_000)
-    for st in sft_steps(session.training_client, config.maze, seeds, config.sft.steps,
-                        config.sft.batch_size, adam, config.sft.noise):
+    from tqdm.auto import tqdm
+
+    steps = sft_steps(session.training_client, config.maze, seeds, config.sft.steps,
+                      config.sft.batch_size, adam, config.sft.noise)
+    log = tqdm.write if log is print else log
+    for st in tqdm(steps, total=config.sft.steps, desc="SFT steps", leave=False, disable=None):
         rundir.append_metrics(run_dir, {"step": st.step, "sft/loss": st.loss,
                                         "sft/tokens": st.tokens, "sft/grad_norm": st.grad_norm,
                                         "time/step": st.seconds})

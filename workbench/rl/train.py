@@ -220,12 +220,18 @@ def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
 
 def train(config: RunConfig, log: Any = print) -> Trainer:
     """The loop: evaluate, then steps with eval / checkpoint / export intervals; final eval."""
+    from tqdm.auto import tqdm
+
     trainer = start(config, log)
     t = config.trainer
     if trainer.step == 0:
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
+    bar = tqdm(total=t.total_steps, initial=trainer.step, desc="GRPO steps", leave=False,
+               disable=None)  # None: no bar when output is not a terminal
+    log = tqdm.write if log is print else log  # one summary line per step above the bar
     while trainer.step < t.total_steps:
         row = train_step(trainer)
+        bar.update(1)
         log(f"step {row['step']:>4}  reward {row['reward/mean']:.3f}  success "
             f"{row['rollout/success_rate']:.3f}  zero-var {row['rollout/zero_variance_groups']}"
             f"  kl {row['update/kl_sampler_trainer']:.2e}  {row['time/step']:.1f}s")
@@ -238,6 +244,7 @@ def train(config: RunConfig, log: Any = print) -> Trainer:
                 trainer.run_dir / "exports" / f"global_step_{trainer.step}").result()
         if t.ckpt_interval and trainer.step % t.ckpt_interval == 0:
             save_checkpoint(trainer)
+    bar.close()
     return trainer
 
 
