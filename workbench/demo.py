@@ -101,6 +101,8 @@ def _pictures(out: Path, trainer) -> None:
 
     plot_training(read_metrics(out / "grpo"), "GRPO on the tiny Qwen3-VL").savefig(
         out / "training.png", dpi=80)
-    eps = [g[0] for g in trainer.last_eval.episodes["sampled"][:8]]
-    episode_grid(eps, trainer.config.maze, titles=["grpo sampled"] * len(eps)).savefig(
+    episodes = trainer.last_eval.episodes
+    mode = "sampled" if "sampled" in episodes else "greedy"
+    eps = [g[0] for g in episodes[mode][:8]]
+    episode_grid(eps, trainer.config.maze, titles=[f"grpo {mode}"] * len(eps)).savefig(
         out / "episodes.png", dpi=80)

@@ -12,6 +12,7 @@ complete one and reproduces an uninterrupted run bit for bit on CPU.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import shutil
@@ -135,7 +136,7 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
         if not is_complete(ckpt):
             raise FileNotFoundError(f"{ckpt} is not a complete checkpoint")
         session.training_client.load_state(ckpt / "state").result()
-        state = rundir.json.loads((ckpt / "trainer_state.json").read_text())
+        state = json.loads((ckpt / "trainer_state.json").read_text())
         trainer.step = int(state["step"])
         _set_rng_state(state["rng"])
         rundir.truncate_metrics(run_dir, trainer.step)

@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,7 +32,7 @@ class IncompleteCheckpoint(RuntimeError):
     """A checkpoint folder without its completion marker or with missing files."""
 
 
-def atomic_folder(final: Path, write: callable) -> Path:
+def atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
     """Run write(tmp_folder), add the COMPLETE marker, then rename tmp -> final."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
