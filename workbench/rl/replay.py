@@ -19,7 +19,9 @@ from workbench import run as rundir
 from workbench.config import RunConfig, from_dict
 from workbench.model import LoraSettings
 from workbench.rl import phases
+from workbench.rl.train import checkpoint_step, checkpoints_newest_first
 from workbench.session import AdamParams, LossConfig, create_session
+from workbench.session.checkpoint import is_complete
 
 COMPARED = ("update/loss", "update/kl_sampler_trainer", "update/entropy",
             "update/clip_fraction", "update/tokens", "update/grad_norm", "update/datums")
@@ -40,13 +42,10 @@ class ReplayResult:
 
 
 def _checkpoint_before(run_dir: Path, step: int) -> Path:
-    from workbench.session.checkpoint import is_complete
-
-    found = [(int(p.name.rsplit("_", 1)[1]), p) for p in (run_dir / "checkpoints").glob(
-        "global_step_*") if is_complete(p) and int(p.name.rsplit("_", 1)[1]) < step]
-    if not found:
-        raise FileNotFoundError(f"no complete checkpoint before step {step} in {run_dir}")
-    return max(found)[1]
+    for folder in checkpoints_newest_first(run_dir):
+        if checkpoint_step(folder) < step and is_complete(folder):
+            return folder
+    raise FileNotFoundError(f"no complete checkpoint before step {step} in {run_dir}")
 
 
 def _update_from_record(training_client, folder: Path, config: RunConfig) -> dict[str, float]:
@@ -68,7 +67,7 @@ def replay(run_dir: str | Path, step: int) -> ReplayResult:
     run_dir = Path(run_dir)
     config = from_dict(json.loads((run_dir / "config.json").read_text()))
     ckpt = _checkpoint_before(run_dir, step)
-    start = int(ckpt.name.rsplit("_", 1)[1])
+    start = checkpoint_step(ckpt)
     session = create_session(config.model.name, LoraSettings(config.lora.rank, config.lora.alpha),
                              workdir=run_dir / "replay", dtype=getattr(torch, config.model.dtype),
                              device=config.model.device)

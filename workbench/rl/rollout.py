@@ -18,7 +18,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.envs import Action, InitState, MazeConfig, MazeEnv, oracle_actions, system_prompt
+from workbench.envs import (
+    Action,
+    InitState,
+    MazeConfig,
+    MazeEnv,
+    format_action,
+    oracle_actions,
+    system_prompt,
+)
+from workbench.envs.actions import move, stop
 from workbench.envs.maze import Maze, step_pos
 from workbench.model.load import LoadedModel
 from workbench.policy import (
@@ -144,36 +153,24 @@ def play_model(
 
 # A scripted policy picks the next reply text from (maze, position, rng).
 ScriptedPolicy = Callable[[Maze, tuple[int, int], MazeConfig, np.random.Generator], str]
-_WORDS = ("right", "up", "left", "down")
-_TUPLES = ("('move', 0)", "('move', 1)", "('move', 2)", "('move', 3)")
-
-
-def _move_text(direction: int, config: MazeConfig) -> str:
-    return (_WORDS if config.grammar == "keyword" else _TUPLES)[direction]
-
-
-def _stop_text(config: MazeConfig) -> str:
-    return "stop" if config.grammar == "keyword" else "('stop', 'stop')"
-
-
 def random_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
                   rng: np.random.Generator) -> str:
     """Uniform over the four moves (walls included)."""
-    return _move_text(int(rng.integers(4)), config)
+    return format_action(move(int(rng.integers(4))), config.grammar)
 
 
 def random_open_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
                        rng: np.random.Generator) -> str:
     """Uniform over the moves that do not hit a wall."""
     open_dirs = [d for d in range(4) if step_pos(maze, pos, d) != pos]
-    return _move_text(int(rng.choice(open_dirs)), config)
+    return format_action(move(int(rng.choice(open_dirs))), config.grammar)
 
 
 def oracle_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
                   rng: np.random.Generator) -> str:
     """BFS shortest path from here; stop once on the goal."""
     path = oracle_actions(maze, pos)
-    return _move_text(path[0].direction, config) if path else _stop_text(config)
+    return format_action(path[0] if path else stop(), config.grammar)
 
 
 SCRIPTED: dict[str, ScriptedPolicy] = {

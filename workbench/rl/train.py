@@ -88,6 +88,17 @@ class Trainer:
         return self.session.training_client
 
 
+def checkpoint_step(folder: Path) -> int:
+    """The step of a checkpoints/global_step_N folder."""
+    return int(folder.name.rsplit("_", 1)[1])
+
+
+def checkpoints_newest_first(run_dir: Path) -> list[Path]:
+    """Every checkpoint folder of a run (complete or not), highest step first."""
+    return sorted((run_dir / "checkpoints").glob("global_step_*"), key=checkpoint_step,
+                  reverse=True)
+
+
 def find_checkpoint(run_dir: Path, log: Any = print) -> Path | None:
     """Newest complete checkpoint; incomplete ones (torn writes) are skipped and reported."""
     marker = run_dir / rundir.LATEST
@@ -95,9 +106,7 @@ def find_checkpoint(run_dir: Path, log: Any = print) -> Path | None:
         named = run_dir / "checkpoints" / f"global_step_{marker.read_text().strip()}"
         if not is_complete(named):
             log(f"latest marker points at {named.name}, which is incomplete: skipping it")
-    candidates = sorted((run_dir / "checkpoints").glob("global_step_*"),
-                        key=lambda p: int(p.name.rsplit("_", 1)[1]), reverse=True)
-    for folder in candidates:
+    for folder in checkpoints_newest_first(run_dir):
         if is_complete(folder):
             return folder
         log(f"skipping incomplete checkpoint {folder.name}")
