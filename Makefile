@@ -5,9 +5,18 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup test demo demo-long bench lint lock clean
+.PHONY: setup chromium test demo demo-long bench lint lab lock clean
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
+
+# Debian's chromium for the notebooks' browser test (Playwright drives it; Playwright's own
+# browser download fails here). Installed only as root where apt-get exists; otherwise the
+# test skips and says why.
+chromium:
+	@test -x /usr/bin/chromium || { test "$$(id -u)" = 0 && command -v apt-get >/dev/null \
+	  && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  >/dev/null; } \
+	  || echo "chromium not installed: the notebook browser test will skip"
 
 # Re-installs only when pyproject.toml or the lock changed; otherwise a no-op.
 $(STAMP): pyproject.toml requirements/lock-cpu.txt
@@ -30,6 +39,10 @@ demo-long: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench.py
+
+# JupyterLab over notebooks/ on this project's kernel (python3 resolves to .venv's python).
+lab: setup
+	$(BIN)/jupyter lab --ServerApp.root_dir=notebooks $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Rebuild the lock from a fresh venv of the current pyproject (review the diff before committing).
 lock:

@@ -3,12 +3,16 @@
 - env: maze steps/s with rendering (image + ascii observation), one thread.
 - sampling: tiny default, batch of 64 episodes of 7x7 mazes: prefill tokens/s of the first
   prompt and decode tokens/s (KV cache), plus a full 15-turn model rollout (turns/s).
+- serving: the OpenAI endpoint on Ray Serve, requests/s and median latency, with and without
+  adapter switching (alone: `python -c "import sys; sys.path.insert(0, 'benchmarks');
+  import bench; bench.print_serving()"`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -141,6 +145,90 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
     return result
 
 
+def _random_adapters(folder: Path, n: int, rank: int = 32) -> list[Path]:
+    """n LoRA adapters on the tiny default with random B (untrained, but each one different)."""
+    from workbench.model import LoraSettings
+    from workbench.session import create_session
+
+    session = create_session("tiny", LoraSettings(rank=rank, alpha=2 * rank), workdir=folder)
+    out, gen = [], torch.Generator().manual_seed(0)
+    for k in range(n):
+        with torch.no_grad():
+            for name, p in session.host.trainable().items():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        out.append(session.training_client.export_adapter(folder / f"a{k}").result())
+    session.close()
+    return out
+
+
+def bench_serving(requests: int = 64, concurrency: int = 8) -> dict[str, dict[str, float]]:
+    """Requests/s with `concurrency` clients and median latency of one request at a time, of
+    the endpoint (Ray Serve, 1 replica of 1 CPU, tiny default, adapter cache 2, LoRA r32) on
+    7x7 first-turn prompts with an image and 4-token replies: the base; one adapter; two
+    adapters alternating (switching between resident adapters); three rotating (every request
+    loads one adapter and evicts another)."""
+    import os
+    import tempfile
+    from concurrent.futures import ThreadPoolExecutor
+
+    from openai import OpenAI
+
+    from workbench import registry, storage
+    from workbench.envs import system_prompt
+    from workbench.rl.rollout import user_text
+    from workbench.serve import deploy, image_data_url
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only instance; no token file
+    tmp = Path(tempfile.mkdtemp(prefix="workbench-bench-serve-"))
+    store = storage.open_store(tmp / "store")
+    for k, folder in enumerate(_random_adapters(tmp / "exports", 3)):
+        registry.publish(store, folder, f"a{k}")
+    endpoint = deploy.serve("tiny", adapters=store.root, replicas=1, port=8765, cache_size=2,
+                            log=lambda *_: None)
+    client = OpenAI(base_url=endpoint.base_url, api_key="none", max_retries=0)
+    config = MazeConfig(size=7)
+    env = MazeEnv(config)
+    obs, info = env.reset(options={"init_state": eval_set(7, 1)[0]})
+    messages = [{"role": "system", "content": system_prompt(config)}, {"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": image_data_url(obs["image"])}},
+        {"type": "text", "text": user_text(obs, info, config)}]}]
+
+    def one(model: str) -> float:
+        t0 = time.perf_counter()
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4, seed=0)
+        return time.perf_counter() - t0
+
+    scenarios = {"base": ["tiny"], "one adapter": ["tiny:a0"],
+                 "2 adapters alternating": ["tiny:a0", "tiny:a1"],
+                 "3 adapters rotating (cache 2)": ["tiny:a0", "tiny:a1", "tiny:a2"]}
+    out = {}
+    try:
+        for name, models in scenarios.items():
+            for m in models:
+                one(m)  # warm-up
+            calls = [models[k % len(models)] for k in range(requests)]
+            latencies = [one(m) for m in calls[:requests // 2]]  # one request at a time
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(concurrency) as pool:  # `concurrency` clients at once
+                list(pool.map(one, calls))
+            out[name] = {"requests_per_s": requests / (time.perf_counter() - t0),
+                         "median_latency_s": statistics.median(latencies)}
+    finally:
+        deploy.shutdown(disconnect=True)
+    return out
+
+
+def print_serving() -> None:
+    """Run bench_serving and print its table."""
+    v = bench_serving()
+    print("serving (Ray Serve, 1 replica x 1 CPU, tiny, 7x7 prompt with image, 4-token replies;"
+          " requests/s: 64 requests from 8 clients; latency: median of 32 one at a time):")
+    for name, r in v.items():
+        print(f"  {name:<30} {r['requests_per_s']:6.1f} requests/s, median latency "
+              f"{1000 * r['median_latency_s']:5.0f} ms")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     print(f"env: {bench_env():,.0f} steps/s (7x7, 32 px, render every step, 1 thread)")
@@ -159,6 +247,7 @@ def main() -> None:
           f"{g['eval']:.2f}")
     print(f"  sampled {g['sampled_tokens_s']:,.0f} reply tokens/s, update "
           f"{g['update_tokens_s']:,.0f} tokens/s, peak RSS {g['peak_rss_gb']:.2f} GB")
+    print_serving()
 
 
 if __name__ == "__main__":

@@ -1,11 +1,18 @@
-"""Shared fixtures: the tiny Qwen3-VL built once per session into a temporary cache."""
+"""Shared fixtures: the tiny Qwen3-VL built once per session into a temporary cache, and a short
+SFT of it that the training-loop tests (in-process and Ray) start from."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+# Ray reads these when it is first imported, and any test may import it first (importorskip):
+# a local Ray instance binds to 127.0.0.1 only, and reports no usage stats.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -31,3 +38,109 @@ def tiny(tiny_dir: Path):
     from workbench.model import load_model
 
     return load_model(str(tiny_dir))
+
+
+# The small run settings of the loop tests (test_train.py, test_ray_local.py).
+SMALL_RUN = [
+    "env.size=5", "generator.max_turns=6", "generator.max_tokens=2",
+    "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
+    "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
+    "env.format_weight=0.5",
+]
+
+
+@pytest.fixture(scope="session")
+def sft_model(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> str:
+    """A tiny Qwen3-VL after a short SFT on 5x5 oracle episodes (weak: ~2/16 solved)."""
+    from workbench.config import PRESETS, apply_overrides
+    from workbench.rl.sft import run_sft
+
+    out = tmp_path_factory.mktemp("sft")
+    config = apply_overrides(PRESETS["tiny"], SMALL_RUN + [
+        f"model.name={tiny_dir}", "sft.steps=120", "sft.batch_size=8", "sft.learning_rate=1e-3",
+        f"run_dir={out}"])
+    return str(run_sft(config, log=lambda *_: None))
+
+
+@pytest.fixture(scope="session")
+def small_run() -> list[str]:
+    """The small run settings as overrides (5x5 mazes, 3 x 4 episodes, LoRA 4)."""
+    return list(SMALL_RUN)
+
+
+# ------------------------------------------------------------------ S3 and adapters (serving)
+# Test credentials: distinctive strings that the storage tests search for in errors/manifests.
+S3_KEY_ID = "AKIAWORKBENCHTESTKEY7"
+S3_SECRET = "wb-test-secret-9f3c1d7e5a"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """moto's S3 server (its real HTTP server, not a patched client) on 127.0.0.1 and a free
+    port, with test credentials in the environment; yields the endpoint URL."""
+    import logging
+    import socket
+
+    moto_server = pytest.importorskip("moto.server", reason="needs moto[server] (dev extra)")
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    none = tmp_path_factory.mktemp("aws") / "none"
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_SESSION_TOKEN"):
+            mp.delenv(name, raising=False)
+        mp.setenv("AWS_ACCESS_KEY_ID", S3_KEY_ID)
+        mp.setenv("AWS_SECRET_ACCESS_KEY", S3_SECRET)
+        mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+        mp.setenv("AWS_CONFIG_FILE", str(none))  # never the machine's ~/.aws
+        mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(none))
+        yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str) -> str:
+    """A new empty bucket on the test server: s3://<name>."""
+    import uuid
+
+    import boto3
+
+    name = f"wb-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server).create_bucket(Bucket=name)
+    return f"s3://{name}"
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> dict[str, Path]:
+    """Exported PEFT adapters (LoRA r4, B set to random values so each answers differently):
+    a0, a1, a2 on the tiny default, and `foreign` on a tiny built with another seed. Each sits
+    in <run>/exports/global_step_N beside a fake eval/step_N.json."""
+    import json
+
+    import torch
+
+    from workbench.model import LoraSettings, TinySpec, tiny_path
+    from workbench.session import create_session
+
+    root, out = tmp_path_factory.mktemp("adapters"), {}
+    bases = {"a0": tiny_dir, "a1": tiny_dir, "a2": tiny_dir, "foreign": tiny_path(TinySpec(seed=1))}
+    for step, (name, base) in enumerate(bases.items(), start=1):
+        session = create_session(str(base), LoraSettings(rank=4, alpha=8), workdir=root / name)
+        gen = torch.Generator().manual_seed(step)
+        with torch.no_grad():
+            for key, p in session.host.trainable().items():
+                if "lora_B" in key:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+        out[name] = Path(session.training_client.export_adapter(
+            root / name / "exports" / f"global_step_{step}").result())
+        session.close()
+        result = {"policy": name, "mode": "greedy", "n_mazes": 4, "episodes_per_maze": 1,
+                  "successes_P": [1, 0, 0, step % 2], "mean_turns": 5.0, "mean_reward": 0.25,
+                  "ceiling": 4}
+        (root / name / "eval").mkdir()
+        (root / name / "eval" / f"step_{step:06d}.json").write_text(
+            json.dumps({"step": step, "results": [result]}))
+    return out

@@ -105,7 +105,8 @@ def test_bad_choice_names_the_closest_choice() -> None:
 @pytest.mark.parametrize("key", sorted(CHOICES))
 def test_every_choice_is_accepted_and_others_rejected(key: str) -> None:
     for value in CHOICES[key]:
-        extra = ["trainer.resume_path=some/dir"] if value == "from_path" else []
+        needs = {"from_path": ["trainer.resume_path=some/dir"], "fsdp": ["model.device=cuda"]}
+        extra = needs.get(value, [])
         cfg = apply_overrides(RunConfig(), [f"{key}={value}", *extra])
         assert flat_keys(cfg)[key] == value
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -33,7 +33,7 @@ def _env_pins() -> dict[str, str]:
 def _pyproject_reqs() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    extra_reqs = [r for k in ("ray", "s3", "viz", "notebook") for r in extras[k]]
+    extra_reqs = [r for k in ("ray", "s3", "viz", "notebook", "serve") for r in extras[k]]
     names = project["dependencies"] + extra_reqs
     return [Requirement(r) for r in names]
 
@@ -73,9 +73,10 @@ def test_core_imports_without_optional_packages() -> None:
     # (the GPU image lacks them): block them and import every core module in a fresh interpreter.
     code = (
         "import sys\n"
-        "for m in ('ray', 'boto3', 'ipywidgets', 'papermill', 'matplotlib', 'vllm'):\n"
+        "for m in ('ray', 'boto3', 'ipywidgets', 'papermill', 'matplotlib', 'vllm', 'fastapi'):\n"
         "    sys.modules[m] = None\n"
         "import workbench, workbench.envs, workbench.model, workbench.policy, workbench.rl\n"
+        "import workbench.storage, workbench.registry, workbench.serve, workbench.cli\n"
         "from workbench._deps import require\n"
         "try:\n    require('ray')\nexcept ImportError as e:\n    print(e)\n"
     )

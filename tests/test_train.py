@@ -1,7 +1,7 @@
 """The GRPO loop end to end: learning, exact resume after a killed process, replay.
 
-A session-scoped SFT model (a few steps on 5x5 mazes, enough to emit valid moves) is the base,
-so rollouts carry reward signal and updates are not trivially empty.
+A session-scoped SFT model (conftest.py: a few steps on 5x5 mazes, enough to emit valid moves)
+is the base, so rollouts carry reward signal and updates are not trivially empty.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from safetensors.torch import load_file
 
 from workbench.config import PRESETS, apply_overrides
 from workbench.rl.replay import replay
-from workbench.rl.sft import run_sft
 from workbench.run import read_metrics
 
 SMALL = [
@@ -29,16 +28,6 @@ SMALL = [
     "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
     "env.format_weight=0.5",
 ]
-
-
-@pytest.fixture(scope="session")
-def sft_model(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> str:
-    """A tiny Qwen3-VL after a short SFT on 5x5 oracle episodes (weak: ~2/16 solved)."""
-    out = tmp_path_factory.mktemp("sft")
-    config = apply_overrides(PRESETS["tiny"], SMALL + [
-        f"model.name={tiny_dir}", "sft.steps=120", "sft.batch_size=8", "sft.learning_rate=1e-3",
-        f"run_dir={out}"])
-    return str(run_sft(config, log=lambda *_: None))
 
 
 def _overrides(base: str, run_dir: Path, extra: list[str]) -> list[str]:

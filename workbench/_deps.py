@@ -12,6 +12,9 @@ EXTRAS: dict[str, str] = {
     "papermill": "notebook",
     "matplotlib": "viz",
     "vllm": "gpu",
+    "fastapi": "serve",
+    "starlette": "serve",
+    "openai": "serve",
 }
 
 

@@ -5,6 +5,11 @@
     python -m workbench eval   model.name=runs/sft/model --adapter runs/grpo/exports/global_step_40
     python -m workbench replay runs/grpo --step 7
     python -m workbench demo   (the whole SFT -> GRPO demo; see `make demo`)
+    python -m workbench train  cluster.address=local trainer.num_workers=2   (on Ray actors)
+    python -m workbench submit --address http://127.0.0.1:8265 --follow trainer.total_steps=40
+    python -m workbench status|logs|stop <job_id> [--address ...]   (Ray Jobs)
+    python -m workbench adapters list|publish|promote|rollback --store s3://bucket/prefix
+    python -m workbench serve  --adapters s3://bucket/prefix [--replicas N] [--port P]
 
 `python -m workbench train --help` lists every key with its default and meaning.
 """
@@ -13,11 +18,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys
 from workbench.model.lora import LoraSettings
+from workbench.registry import ForeignBaseError, RegistryError
+from workbench.storage import StorageError
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
@@ -40,15 +48,19 @@ def _sft(args: argparse.Namespace) -> None:
 
 def _eval(args: argparse.Namespace) -> None:
     from workbench.envs import eval_set
+    from workbench.registry import check_base, fetch_adapter, read_adapter_meta
     from workbench.rl import format_table
     from workbench.rl.phases import evaluate
     from workbench.session import create_session
 
     config = _config(args)
-    lora = adapter_settings(args.adapter) if args.adapter else None
+    adapter = fetch_adapter(args.adapter, config.storage.endpoint_url) if args.adapter else None
+    lora = adapter_settings(adapter) if adapter else None
     session = create_session(config.model.name, lora, workdir=config.run_dir)
-    if args.adapter:
-        session.training_client.load_adapter(args.adapter).result()
+    if adapter:  # s3://... was downloaded to the cache; another base is refused by its hash
+        check_base(read_adapter_meta(adapter), session.describe()["base_weights_sha256"],
+                   config.model.name, args.adapter)
+        session.training_client.load_adapter(adapter).result()
     sampler = session.training_client.save_weights_and_get_sampling_client()
     record = evaluate(sampler, config.maze, eval_set(config.env.size, config.eval.n_mazes),
                       args.adapter or config.model.name, config.eval.greedy,
@@ -80,6 +92,130 @@ def _demo(args: argparse.Namespace) -> None:
     run_demo(args.out, long=args.long)
 
 
+def _submit(args: argparse.Namespace) -> None:
+    from workbench.cluster.jobs import follow_logs, submit_run
+
+    _config(args)  # bad keys fail here, before anything is submitted
+    env = dict(item.split("=", 1) for item in args.env)
+    job_id = submit_run(args.overrides, args.address, args.preset, env)
+    print(f"submitted {job_id}")
+    if args.follow:
+        status = follow_logs(job_id, args.address)
+        print(f"job {job_id}: {status}")
+        if status != "SUCCEEDED":
+            sys.exit(1)
+
+
+def _job(args: argparse.Namespace) -> None:
+    from workbench.cluster import jobs
+
+    if args.command == "status":
+        print(jobs.job_status(args.job_id, args.address))
+    elif args.command == "stop":
+        print("stop requested" if jobs.stop_job(args.job_id, args.address) else "not running")
+    elif args.follow:
+        print(f"job {args.job_id}: {jobs.follow_logs(args.job_id, args.address)}")
+    else:
+        print(jobs.job_logs(args.job_id, args.address), end="")
+
+
+def _job_commands(sub: argparse._SubParsersAction, keys: str) -> None:
+    address = "Ray dashboard address, e.g. http://127.0.0.1:8265 (default: RAY_ADDRESS)"
+    p = sub.add_parser("submit", help="submit a training run as a Ray Job", epilog=keys,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _with_overrides(p)
+    p.add_argument("--address", default=None, help=address)
+    p.add_argument("--follow", action="store_true", help="stream the job's logs until it ends")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for the job (repeatable)")
+    p.set_defaults(func=_submit)
+    for name, text in (("status", "a job's status"), ("stop", "stop a job"),
+                       ("logs", "a job's logs")):
+        q = sub.add_parser(name, help=text)
+        q.add_argument("job_id")
+        q.add_argument("--address", default=None, help=address)
+        if name == "logs":
+            q.add_argument("--follow", action="store_true", help="keep printing until it ends")
+        q.set_defaults(func=_job)
+
+
+def _adapters(args: argparse.Namespace) -> None:
+    from workbench import registry
+    from workbench.storage import open_store
+
+    store = open_store(args.store, args.endpoint_url)
+    if args.action == "publish":
+        entry = registry.publish(store, args.export, args.name, overwrite=args.overwrite)
+        print(f"published {entry.name} to {store.root}/{registry.ADAPTERS}/{entry.name}")
+    elif args.action in ("promote", "rollback"):
+        state = registry.promote(store, args.name) if args.action == "promote" \
+            else registry.rollback(store)
+        print(f"serving default: {state['default']} (previous: {state['history'][-1:] or 'none'})")
+    entries = registry.list_adapters(store)
+    print("\n".join(e.row() for e in entries) or f"no adapters in {store.root}")
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import signal
+    import time
+
+    from workbench.serve.deploy import shutdown, start
+    from workbench.serve.engine import ServeSettings, key_hash
+
+    settings = ServeSettings(
+        model=args.model, served_name=args.served_name, adapters=args.adapters,
+        endpoint_url=args.endpoint_url, cache_size=args.cache_size, num_replicas=args.replicas,
+        cpus_per_replica=args.cpus_per_replica, host=args.host, port=args.port,
+        api_key_sha256=key_hash(args.api_key))
+    start(settings, args.address, args.num_cpus, args.temp_dir)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init, which sets its own
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        shutdown(disconnect=True)
+
+
+def _serving_commands(sub: argparse._SubParsersAction) -> None:
+    store = os.environ.get("WORKBENCH_STORE", "runs/store")
+    a = sub.add_parser("adapters", help="the adapter registry: list, publish, promote, rollback")
+    actions = a.add_subparsers(dest="action", required=True)
+    for name, text in (("list", "published adapters with their eval results (* = default)"),
+                       ("publish", "copy an exported adapter into the registry"),
+                       ("promote", "make an adapter the serving default"),
+                       ("rollback", "restore the previous serving default")):
+        q = actions.add_parser(name, help=text)
+        q.add_argument("--store", default=store, help="s3://bucket/prefix or a folder "
+                       "(default: $WORKBENCH_STORE or runs/store)")
+        q.add_argument("--endpoint-url", default="", help="S3-compatible endpoint "
+                       "(default: AWS_ENDPOINT_URL, else AWS)")
+        if name == "publish":
+            q.add_argument("export", help="an exports/global_step_N folder (or s3://...)")
+            q.add_argument("--name", required=True, help="adapter name (letters, digits, ._-)")
+            q.add_argument("--overwrite", action="store_true", help="replace a published name")
+        if name == "promote":
+            q.add_argument("name")
+        q.set_defaults(func=_adapters)
+    s = sub.add_parser("serve", help="OpenAI-compatible endpoint over base + adapters (Ray Serve)")
+    s.add_argument("--model", default="tiny", help="base model: tiny, a folder or a hub id")
+    s.add_argument("--served-name", default="", help="base id clients use (default: --model)")
+    s.add_argument("--adapters", default="", help="registry store: s3://bucket/prefix or a folder")
+    s.add_argument("--endpoint-url", default="", help="S3-compatible endpoint")
+    s.add_argument("--replicas", type=int, default=1, help="Ray Serve replicas")
+    s.add_argument("--cache-size", type=int, default=4, help="adapters kept per replica (LRU)")
+    s.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica")
+    s.add_argument("--host", default="127.0.0.1", help="bind address")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY", ""),
+                   help="require 'Authorization: Bearer KEY' (default: $WORKBENCH_API_KEY)")
+    s.add_argument("--address", default="local", help="Ray: local, auto or ray://host:10001")
+    s.add_argument("--num-cpus", type=int, default=0, help="CPUs of a local Ray (0 = all)")
+    s.add_argument("--temp-dir", default="", help="temp/log folder of a local Ray")
+    s.set_defaults(func=_serve)
+
+
 def _with_overrides(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--preset", default="tiny", help=f"one of {sorted(PRESETS)}")
     sub.add_argument("overrides", nargs="*", metavar="section.key=value",
@@ -109,6 +245,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="runs/demo", help="output folder")
     demo.add_argument("--long", action="store_true", help="the longer run (make demo-long)")
     demo.set_defaults(func=_demo)
+    _job_commands(sub, keys)
+    _serving_commands(sub)
     return parser
 
 
@@ -120,3 +258,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as err:
         print(f"config error: {err}", file=sys.stderr)
         sys.exit(2)
+    except ConnectionError as err:  # Ray unreachable, wrong versions, missing auth token
+        print(f"connection error: {err}", file=sys.stderr)
+        sys.exit(3)
+    except (StorageError, RegistryError, ForeignBaseError) as err:  # S3, registry, other base
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(4)

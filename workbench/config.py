@@ -81,7 +81,10 @@ class GeneratorConfig:
     max_tokens: int = 4
     """Reply length cap in tokens."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory the sampler engine may use (vLLM engines)."""
+    """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
+    num_engines: int = 1
+    """M: sampler actors on a Ray cluster; a rollout's mazes are spread over them (SkyRL:
+    generator.num_inference_engines). Ignored in-process."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,16 @@ class TrainerConfig:
     """Seed of maze order and sampling."""
     keep_step_records: bool = True
     """Keep each step's rollout and datums for replay."""
+    num_workers: int = 1
+    """N: data-parallel trainer actors on a Ray cluster; each takes a slice of the datums and
+    gradients are all-reduced (SkyRL: trainer.placement.policy_num_gpus_per_node). Ignored
+    in-process."""
+    colocate_all: bool = True
+    """Trainer worker i and sampler engine i share placement-group bundle i (fractional GPU);
+    false gives them separate bundles (SkyRL: trainer.placement.colocate_all)."""
+    strategy: str = "ddp"
+    """Data-parallel strategy of the trainer actors: ddp (replicas, gradients all-reduced) |
+    fsdp (GPU only: the frozen base is sharded over the workers, LoRA weights all-reduced)."""
 
 
 @dataclass(frozen=True)
@@ -147,16 +160,48 @@ class EvalConfig:
 class SFTConfig:
     """The SFT baseline on oracle trajectories."""
 
-    steps: int = 300
+    steps: int = 480
     """Optimiser steps."""
-    batch_size: int = 16
-    """Oracle episodes per step."""
+    batch_size: int = 2
+    """Oracle episodes per step (small batches, many steps: 480 x 2 beat 240 x 8 on 7x7)."""
     learning_rate: float = 3e-4
     """Learning rate (1e-3 stalled in our experiments)."""
     full_finetune: bool = True
     """Train every weight (tiny default) instead of a LoRA adapter."""
     noise: float = 0.0
     """Chance of a random detour per turn (in context, not trained on): recovery examples."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the session runs: in this process, or on Ray actors (see README, "Ray")."""
+
+    address: str = ""
+    """"" = in-process (no Ray); "local" = start Ray here; "auto" = the running cluster (or
+    RAY_ADDRESS); "ray://host:10001" = a remote cluster through Ray Client."""
+    num_cpus: int = 0
+    """CPUs a local Ray instance may use (0 = all of this machine's)."""
+    num_gpus: int = 0
+    """GPUs a local Ray instance may use (0 = Ray detects them)."""
+    cpus_per_actor: float = 0.5
+    """CPU share reserved for each trainer worker and each sampler engine."""
+    dashboard: bool = False
+    """Start Ray's dashboard with a local instance (bound to 127.0.0.1)."""
+    temp_dir: str = ""
+    """Temp/log folder of a local Ray instance ("" = Ray's default, /tmp/ray)."""
+    max_restarts: int = 3
+    """Times a run reopens its session from the last checkpoint after a Ray actor died."""
+
+
+@dataclass(frozen=True)
+class StorageConfig:
+    """Where run directories and adapters live when they are on S3 (see README, "Storage")."""
+
+    endpoint_url: str = ""
+    """S3-compatible endpoint ("" = AWS_ENDPOINT_URL, else AWS); credentials and region come
+    from the usual AWS settings, never from this config."""
+    local_dir: str = ""
+    """Working copy of an s3:// run_dir ("" = $WORKBENCH_CACHE/runs/<bucket>/<prefix>)."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +215,8 @@ class RunConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    storage: StorageConfig = field(default_factory=StorageConfig)
     run_dir: str = "runs/grpo"
 
     @property
@@ -188,6 +235,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.loss_reduction": ("sum", "token_mean", "sequence_mean"),
     "trainer.advantage": ("grpo", "dr_grpo", "rloo"),
     "trainer.resume_mode": ("latest", "none", "from_path"),
+    "trainer.strategy": ("ddp", "fsdp"),
 }
 
 
@@ -260,7 +308,8 @@ def validate(config: RunConfig) -> None:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}={values[key]!r} is not one of {list(choices)}{hint}")
     positive = ("generator.n_samples_per_prompt", "generator.max_turns", "generator.max_tokens",
-                "trainer.train_batch_size", "trainer.minibatch", "eval.n_mazes", "lora.rank")
+                "trainer.train_batch_size", "trainer.minibatch", "eval.n_mazes", "lora.rank",
+                "trainer.num_workers", "generator.num_engines")
     for key in positive:
         if values[key] < 1:
             raise ConfigError(f"{key} must be >= 1, got {values[key]}")
@@ -269,12 +318,24 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"{key} must not be negative, got {value}")
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
+    _validate_cluster(config)
     if values["trainer.resume_mode"] == "from_path" and not values["trainer.resume_path"]:
         raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path")
     try:
         _ = config.maze  # MazeConfig validates size, px, grammar, reward
     except ValueError as err:
         raise ConfigError(f"env: {err}") from None
+
+
+def _validate_cluster(config: RunConfig) -> None:
+    address = config.cluster.address
+    if address and address not in ("local", "auto") and ":" not in address:
+        raise ConfigError(f"cluster.address={address!r}: use \"\" (in-process), \"local\", "
+                          "\"auto\" or an address such as ray://127.0.0.1:10001")
+    if config.cluster.cpus_per_actor <= 0:
+        raise ConfigError("cluster.cpus_per_actor must be > 0")
+    if config.trainer.strategy == "fsdp" and config.model.device == "cpu":
+        raise ConfigError("trainer.strategy=fsdp needs model.device=cuda (use ddp on CPU)")
 
 
 @cache

@@ -23,15 +23,15 @@ from workbench.envs import eval_set
 from workbench.rl import SCRIPTED, EvalResult, format_table, play_scripted, summarize
 
 DEMO_OVERRIDES = [
-    "sft.steps=240", "sft.batch_size=8", "sft.learning_rate=3e-4",
+    "sft.steps=480", "sft.batch_size=2", "sft.learning_rate=3e-4",
     "trainer.total_steps=16", "trainer.train_batch_size=8", "generator.n_samples_per_prompt=8",
-    "trainer.learning_rate=1e-4", "trainer.loss_reduction=sequence_mean",
+    "trainer.learning_rate=3e-4", "trainer.loss_reduction=sequence_mean",
     "trainer.eval_interval=16", "trainer.ckpt_interval=8", "trainer.hf_save_interval=8",
-    "eval.sampled_passes=2",
+    "eval.sampled_passes=4",
 ]
 LONG_OVERRIDES = DEMO_OVERRIDES + [
-    "sft.steps=400", "trainer.total_steps=60", "trainer.eval_interval=20",
-    "trainer.ckpt_interval=20", "trainer.hf_save_interval=20", "eval.sampled_passes=4"]
+    "trainer.total_steps=40", "trainer.eval_interval=10",
+    "trainer.ckpt_interval=10", "trainer.hf_save_interval=20"]
 
 
 def demo_config(out: Path, long: bool = False, overrides: tuple[str, ...] = ()) -> RunConfig:

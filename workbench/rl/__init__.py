@@ -1,6 +1,13 @@
 """Episodes and evaluation (the GRPO phases build on these)."""
 
-from workbench.rl.evaluate import EvalResult, format_table, summarize
+from workbench.rl.evaluate import (
+    FAILURE_REASONS,
+    EvalResult,
+    failure_reason,
+    format_table,
+    summarize,
+    wasted_turns,
+)
 from workbench.rl.rollout import (
     SCRIPTED,
     Episode,
@@ -13,6 +20,7 @@ from workbench.rl.rollout import (
 )
 
 __all__ = [
-    "SCRIPTED", "EvalResult", "Episode", "format_table", "oracle_policy", "play_model",
-    "play_scripted", "random_open_policy", "random_policy", "summarize", "user_text",
+    "FAILURE_REASONS", "SCRIPTED", "EvalResult", "Episode", "failure_reason", "format_table",
+    "oracle_policy", "play_model", "play_scripted", "random_open_policy", "random_policy",
+    "summarize", "user_text", "wasted_turns",
 ]

@@ -1,7 +1,8 @@
 """Evaluate a policy on a fixed maze set, with the oracle ceiling beside the success rate.
 
 The ceiling is how many mazes can be solved at all within the turn budget under the reward rule
-(`workbench.envs.oracle_ceiling`); a success rate means little without it.
+(`workbench.envs.oracle_ceiling`); a success rate means little without it. `failure_reason`
+names why a failed episode failed (parse error, wall bump, loop, stopped, turn budget).
 
     python -m workbench demo   # random, oracle and the untrained tiny model on 64 mazes
 """
@@ -9,10 +10,11 @@ The ceiling is how many mazes can be solved at all within the turn budget under 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from workbench.envs import InitState, MazeConfig, oracle_ceiling
+from workbench.envs import Action, InitState, MazeConfig, oracle_ceiling
 from workbench.rl.rollout import Episode
 
 
@@ -70,3 +72,47 @@ def summarize(
 def format_table(results: list[EvalResult]) -> str:
     """A plain-text table of results."""
     return "\n".join([TABLE_HEADER, *(r.row() for r in results)])
+
+
+FAILURE_REASONS: tuple[str, ...] = ("parse error", "wall bump", "loop", "stopped", "turn budget")
+"""Why a failed episode failed, in the order that breaks ties (see failure_reason)."""
+
+
+def wasted_turns(episode: Episode | dict) -> dict[str, int]:
+    """Turns that brought the agent no closer to anything new, by kind: "parse error" (reply
+    not an action), "wall bump" (a move into a wall), "loop" (a move onto a square already
+    visited in this episode)."""
+    actions = [a.kind if isinstance(a, Action) else a.split(":")[0] for a in _field(
+        episode, "actions")]
+    positions = [tuple(p) for p in _field(episode, "positions")]
+    counts = dict.fromkeys(FAILURE_REASONS[:3], 0)
+    for t, kind in enumerate(actions):
+        before, after = positions[t], positions[t + 1]
+        if kind == "invalid":
+            counts["parse error"] += 1
+        elif kind == "move" and after == before:
+            counts["wall bump"] += 1
+        elif kind == "move" and after in positions[:t + 1]:
+            counts["loop"] += 1
+    return counts
+
+
+def failure_reason(episode: Episode | dict) -> str:
+    """"solved", or why an episode failed: "stopped" when it ended on a stop off the goal;
+    otherwise the budget ran out, and the reason is the kind of wasted turn it spent most on
+    ("parse error", "wall bump", "loop"; ties in that order), or "turn budget" when every turn
+    was a new, valid move and the maze was just too far. Takes an Episode or its summary dict
+    (as a step record's episodes.json holds it)."""
+    if _field(episode, "success"):
+        return "solved"
+    actions = _field(episode, "actions")
+    last = actions[-1].kind if isinstance(actions[-1], Action) else actions[-1]
+    if last == "stop":
+        return "stopped"
+    counts = wasted_turns(episode)
+    worst = max(counts, key=lambda k: (counts[k], -FAILURE_REASONS.index(k)))
+    return worst if counts[worst] > 0 else "turn budget"
+
+
+def _field(episode: Episode | dict, name: str) -> Any:
+    return episode[name] if isinstance(episode, dict) else getattr(episode, name)

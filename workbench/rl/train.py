@@ -17,7 +17,7 @@ import math
 import random
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from workbench import run as rundir
+from workbench import storage
 from workbench.config import RunConfig, to_dict
 from workbench.envs import eval_set, make_maze, train_seeds
 from workbench.envs.env import init_state_of
@@ -128,16 +129,35 @@ def save_checkpoint(trainer: Trainer) -> Path:
     return folder
 
 
+def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
+    """The session backend the config asks for: in-process when cluster.address is "", else
+    trainer and sampler actors on Ray (connecting first unless this process already is)."""
+    lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha)
+    model = dict(model=config.model.name, lora=lora, workdir=run_dir,
+                 dtype=getattr(torch, config.model.dtype), device=config.model.device)
+    c = config.cluster
+    if not c.address:
+        return create_session(**model)
+    from workbench.cluster import connect, create_ray_session
+
+    connect(c.address, c.num_cpus, c.num_gpus, c.dashboard, c.temp_dir or None, log=log)
+    return create_ray_session(
+        **model, num_workers=config.trainer.num_workers,
+        num_engines=config.generator.num_engines, colocate_all=config.trainer.colocate_all,
+        strategy=config.trainer.strategy,
+        gpu_memory_utilization=config.generator.gpu_memory_utilization,
+        cpus_per_actor=c.cpus_per_actor)
+
+
 def start(config: RunConfig, log: Any = print) -> Trainer:
     """Open (or resume) the run directory and the session; step 0 is checkpointed."""
-    run_dir = Path(config.run_dir)
     t = config.trainer
+    run_dir = storage.open_run_dir(config.run_dir, t.resume_mode, config.storage.endpoint_url,
+                                   config.storage.local_dir, log)  # s3://: a local working copy
     if t.resume_mode == "none" and run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha)
-    session = create_session(config.model.name, lora, workdir=run_dir,
-                             dtype=getattr(torch, config.model.dtype), device=config.model.device)
+    session = open_session(config, run_dir, log)
     trainer = Trainer(config, session, run_dir)
     ckpt = Path(t.resume_path) if t.resume_mode == "from_path" else (
         find_checkpoint(run_dir, log) if t.resume_mode == "latest" else None)
@@ -157,6 +177,7 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     rundir.write_manifest(run_dir, to_dict(config), session.describe(),
                           [REWARDS[config.env.reward], phases.env_reward])
     save_checkpoint(trainer)
+    storage.mirror_run(run_dir, config.run_dir, config.storage.endpoint_url)  # s3:// run_dir
     return trainer
 
 
@@ -178,6 +199,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     c, step = trainer.config, trainer.step + 1
     t0 = time.perf_counter()
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
+    sync_seconds = time.perf_counter() - t0  # Ray: the new weights reach every engine
     params = SamplingParams(max_tokens=c.generator.max_tokens, temperature=c.generator.temperature)
     ro = phases.rollout(sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt,
                         params, step_seed(c, step))
@@ -191,6 +213,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
                        c.trainer.minibatch)
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
+    row["time/weight_sync"] = sync_seconds
     if c.trainer.keep_step_records:
         index = [(p, g) for p, adv_G in enumerate(adv.advantages_P_G)
                  for g, a in enumerate(adv_G) if a != 0.0]
@@ -229,33 +252,65 @@ def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
 
 
 def train(config: RunConfig, log: Any = print) -> Trainer:
-    """The loop: evaluate, then steps with eval / checkpoint / export intervals; final eval."""
+    """The loop: evaluate, then steps with eval / checkpoint / export intervals; final eval.
+
+    On Ray, an actor that dies (killed, out of memory, its node lost) ends the session: the
+    loop closes it, opens a new one and resumes from the last complete checkpoint, at most
+    cluster.max_restarts times. Steps after that checkpoint are redone, so none is lost or
+    logged twice, and the run ends as an undisturbed one would."""
+    trainer, restarts = start(config, log), 0
+    while True:
+        try:
+            return _loop(trainer, log)
+        except trainer.session.recoverable_errors as err:
+            restarts += 1
+            if restarts > config.cluster.max_restarts:
+                raise
+            log(f"{type(err).__name__} after step {trainer.step}: reopening the session from the"
+                f" last checkpoint (restart {restarts}/{config.cluster.max_restarts})")
+            trainer.session.close()
+            resume = replace(config, trainer=replace(config.trainer, resume_mode="latest"))
+            trainer = start(resume, log)
+
+
+def _loop(trainer: Trainer, log: Any) -> Trainer:
     from tqdm.auto import tqdm
 
-    trainer = start(config, log)
-    t = config.trainer
-    if trainer.step == 0:
+    t = trainer.config.trainer
+    if trainer.step == 0 and not _eval_logged(trainer.run_dir, 0):
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
     bar = tqdm(total=t.total_steps, initial=trainer.step, desc="GRPO steps", leave=False,
                disable=None)  # None: no bar when output is not a terminal
     log = tqdm.write if log is print else log  # one summary line per step above the bar
-    while trainer.step < t.total_steps:
-        row = train_step(trainer)
-        bar.update(1)
-        log(f"step {row['step']:>4}  reward {row['reward/mean']:.3f}  success "
-            f"{row['rollout/success_rate']:.3f}  zero-var {row['rollout/zero_variance_groups']}"
-            f"  kl {row['update/kl_sampler_trainer']:.2e}  {row['time/step']:.1f}s")
-        if t.eval_interval and trainer.step % t.eval_interval == 0 \
-                or trainer.step == t.total_steps:
-            _log_eval(trainer, run_eval(trainer, "grpo"), log)
-        if t.hf_save_interval and trainer.step % t.hf_save_interval == 0 \
-                or trainer.step == t.total_steps:
-            trainer.training_client.export_adapter(
-                trainer.run_dir / "exports" / f"global_step_{trainer.step}").result()
-        if t.ckpt_interval and trainer.step % t.ckpt_interval == 0:
-            save_checkpoint(trainer)
-    bar.close()
+    with bar:
+        while trainer.step < t.total_steps:
+            row = train_step(trainer)
+            bar.update(1)
+            log(f"step {row['step']:>4}  reward {row['reward/mean']:.3f}  success "
+                f"{row['rollout/success_rate']:.3f}  zero-var "
+                f"{row['rollout/zero_variance_groups']}  kl "
+                f"{row['update/kl_sampler_trainer']:.2e}  {row['time/step']:.1f}s")
+            _after_step(trainer, log)
     return trainer
+
+
+def _after_step(trainer: Trainer, log: Any) -> None:
+    """The intervals: evaluation, adapter export, full checkpoint (written last)."""
+    t, step = trainer.config.trainer, trainer.step
+    if t.eval_interval and step % t.eval_interval == 0 or step == t.total_steps:
+        _log_eval(trainer, run_eval(trainer, "grpo"), log)
+    if t.hf_save_interval and step % t.hf_save_interval == 0 or step == t.total_steps:
+        trainer.training_client.export_adapter(
+            trainer.run_dir / "exports" / f"global_step_{step}").result()
+    if t.ckpt_interval and step % t.ckpt_interval == 0:
+        save_checkpoint(trainer)
+    storage.mirror_run(trainer.run_dir, trainer.config.run_dir,
+                       trainer.config.storage.endpoint_url)  # s3:// run_dir: upload what is new
+
+
+def _eval_logged(run_dir: Path, step: int) -> bool:
+    """True when metrics.jsonl already holds the evaluation of `step` (a resumed step 0)."""
+    return any(r["step"] == step and "eval/n_mazes" in r for r in rundir.read_metrics(run_dir))
 
 
 def _log_eval(trainer: Trainer, record: phases.EvalRecord, log: Any) -> None:

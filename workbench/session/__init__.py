@@ -1,6 +1,7 @@
 """Training-session primitives (seed 003's programming model): futures over a live policy.
 
-Backends: in-process (`create_session`); Ray actors come next with the same interface.
+Backends: in-process (`create_session`), and Ray actors with the same interface
+(`workbench.cluster.create_ray_session`, which runs these same functions inside its actors).
 """
 
 from workbench.session.checkpoint import IncompleteCheckpoint, is_complete

@@ -12,6 +12,10 @@ Every call returns a `concurrent.futures.Future`. All calls that touch the model
 worker thread in submission order, so a forward_backward and an optim_step may both be submitted
 before either is awaited. A SamplingClient is bound to the weights version it was created with:
 it swaps that LoRA snapshot in for its calls and the trainer's weights back afterwards.
+
+The module functions over a `ModelHost` (`_forward`, `_optim_step`, `_sample`, `_rollout`, ...)
+are the whole behaviour; the Ray backend (`workbench.cluster`) runs the same functions inside its
+trainer and sampler actors.
 """
 
 from __future__ import annotations
@@ -95,6 +99,49 @@ def _use_version(host: ModelHost, version: int) -> None:
     host.loaded_version = version
 
 
+def _save_version(host: ModelHost) -> int:
+    """Snapshot the trainer's weights as sampler version `host.weights_id`; returns it."""
+    _with_trainer_weights(host)
+    host.versions[host.weights_id] = _snapshot(host)
+    _prune_versions(host, host.weights_id)
+    return host.weights_id
+
+
+def _prune_versions(host: ModelHost, newest: int) -> None:
+    for old in [v for v in host.versions if 0 <= v < newest - KEEP_VERSIONS]:
+        del host.versions[old]  # bounded memory: recent sampler versions only
+
+
+def _install_version(host: ModelHost, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """A sampler-only host receives version `version` from the trainer and loads it."""
+    host.versions[version] = tensors
+    _copy_in(host, tensors)
+    host.loaded_version = version
+    _prune_versions(host, max(host.versions))
+
+
+def _sample(host: ModelHost, prompt: Stream, num_samples: int, params: SamplingParams,
+            seed: int) -> SampleResponse:
+    gen = torch.Generator().manual_seed(seed)
+    done = sample(host.lm.model, host.fmt, [prompt], num_samples, params, gen, host.pad_id)
+    return SampleResponse(sequences=done[0])
+
+
+def _compute_logprobs(host: ModelHost, prompt: Stream, temperature: float) -> list[float]:
+    with torch.no_grad():
+        logp, _ = token_logprobs(host.lm.model, [prompt], temperature, host.fmt.banned,
+                                 host.pad_id)
+    return logp[0].tolist()
+
+
+def _rollout(host: ModelHost, config: MazeConfig, init_states_P: list[InitState], n: int,
+             params: SamplingParams, seed: int) -> list:
+    from workbench.rl.rollout import play_model
+
+    gen = torch.Generator().manual_seed(seed)
+    return play_model(host.lm, config, init_states_P, n, params, gen)
+
+
 def _forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
              backward: bool) -> ForwardBackwardOutput:
     if loss_fn not in LOSSES:
@@ -106,9 +153,10 @@ def _forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig
         streams = [d.stream for d in datums]
         logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
                                            host.pad_id)
-        sampler_B_T = [torch.tensor(s.logprobs_T) for s in streams]
-        adv_B_T = [torch.tensor(d.advantages_T) for d in datums]
-        w_B_T = [torch.tensor(d.weights_T) for d in datums]
+        device = logp_B_T[0].device  # the side tables go where the model is (cuda on GPU)
+        sampler_B_T = [torch.tensor(s.logprobs_T, device=device) for s in streams]
+        adv_B_T = [torch.tensor(d.advantages_T, device=device) for d in datums]
+        w_B_T = [torch.tensor(d.weights_T, device=device) for d in datums]
         # Observation tokens (weight 0) may be banned for sampling (-inf): keep them out of
         # the arithmetic, since 0 * -inf is nan.
         logp_B_T = [torch.where(w != 0, lp, torch.zeros_like(lp)) for lp, w in zip(logp_B_T, w_B_T)]
@@ -155,31 +203,16 @@ class SamplingClient:
     def sample(self, prompt: Stream, num_samples: int, sampling_params: SamplingParams,
                seed: int = 0) -> Future:
         """num_samples replies to `prompt` -> Future[SampleResponse]."""
-        def run(host: ModelHost) -> SampleResponse:
-            gen = torch.Generator().manual_seed(seed)
-            done = sample(host.lm.model, host.fmt, [prompt], num_samples, sampling_params, gen,
-                          host.pad_id)
-            return SampleResponse(sequences=done[0])
-        return self._submit(run)
+        return self._submit(lambda h: _sample(h, prompt, num_samples, sampling_params, seed))
 
     def compute_logprobs(self, prompt: Stream, temperature: float = 1.0) -> Future:
         """Per-token log-probs of the prompt's own tokens -> Future[list[float]] (first is 0)."""
-        def run(host: ModelHost) -> list[float]:
-            with torch.no_grad():
-                logp, _ = token_logprobs(host.lm.model, [prompt], temperature, host.fmt.banned,
-                                         host.pad_id)
-            return logp[0].tolist()
-        return self._submit(run)
+        return self._submit(lambda h: _compute_logprobs(h, prompt, temperature))
 
     def rollout(self, config: MazeConfig, init_states_P: list[InitState], n: int,
                 params: SamplingParams, seed: int) -> Future:
         """Play n episodes per maze beside the sampler -> Future[episodes_P_G]."""
-        from workbench.rl.rollout import play_model
-
-        def run(host: ModelHost) -> list:
-            gen = torch.Generator().manual_seed(seed)
-            return play_model(host.lm, config, init_states_P, n, params, gen)
-        return self._submit(run)
+        return self._submit(lambda h: _rollout(h, config, init_states_P, n, params, seed))
 
 
 class TrainingClient:
@@ -236,13 +269,7 @@ class TrainingClient:
 
     def save_weights_and_get_sampling_client(self) -> SamplingClient:
         """Snapshot the current weights as a sampler version and return its client."""
-        def snap(host: ModelHost) -> int:
-            _with_trainer_weights(host)
-            host.versions[host.weights_id] = _snapshot(host)
-            for old in [v for v in host.versions if 0 <= v < host.weights_id - KEEP_VERSIONS]:
-                del host.versions[old]  # bounded memory: recent sampler versions only
-            return host.weights_id
-        return SamplingClient(self._session, self._session.submit(snap).result())
+        return SamplingClient(self._session, self._session.submit(_save_version).result())
 
     def get_tokenizer(self) -> Any:
         """The policy's tokenizer."""
@@ -255,6 +282,8 @@ class TrainingClient:
 
 class Session:
     """An in-process session: one model host and the thread that runs its calls in order."""
+
+    recoverable_errors: tuple[type[BaseException], ...] = ()  # nothing to reopen in-process
 
     def __init__(self, host: ModelHost) -> None:
         self.host = host
@@ -274,9 +303,35 @@ class Session:
 
     def describe(self) -> dict[str, Any]:
         """Model source, base hash, LoRA settings (for manifests)."""
-        lora = asdict(self.host.lora) if self.host.lora else None
-        return {"model": self.host.lm.source, "model_path": self.host.lm.path,
-                "base_weights_sha256": self.host.base_hash, "lora": lora}
+        return describe_host(self.host)
+
+
+def make_host(
+    model: str = "tiny",
+    lora: LoraSettings | None = LoraSettings(),
+    workdir: str | Path = "runs/session",
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    hash_weights: bool = True,
+) -> ModelHost:
+    """Load the base, hash it (a sampler-only host may skip that), wrap it in LoRA (None: train
+    all weights), make the optimiser."""
+    lm = load_model(model, dtype=dtype, device=device)
+    base_hash = weights_hash(lm.model) if hash_weights else ""
+    if lora is not None:
+        lm.model = add_lora(lm.model, lora).eval()
+    params = [p for p in lm.model.parameters() if p.requires_grad]
+    return ModelHost(
+        lm=lm, fmt=chat_format(lm.processor), lora=lora, base_hash=base_hash,
+        workdir=Path(workdir), optimizer=torch.optim.AdamW(params, lr=1e-4),
+    )
+
+
+def describe_host(host: ModelHost) -> dict[str, Any]:
+    """Model source, base hash, LoRA settings (for manifests)."""
+    lora = asdict(host.lora) if host.lora else None
+    return {"model": host.lm.source, "model_path": host.lm.path,
+            "base_weights_sha256": host.base_hash, "lora": lora}
 
 
 def create_session(
@@ -287,16 +342,7 @@ def create_session(
     device: str = "cpu",
 ) -> Session:
     """Load the base, hash it, wrap it in LoRA (None: train all weights), start the worker."""
-    lm = load_model(model, dtype=dtype, device=device)
-    base_hash = weights_hash(lm.model)
-    if lora is not None:
-        lm.model = add_lora(lm.model, lora).eval()
-    params = [p for p in lm.model.parameters() if p.requires_grad]
-    host = ModelHost(
-        lm=lm, fmt=chat_format(lm.processor), lora=lora, base_hash=base_hash,
-        workdir=Path(workdir), optimizer=torch.optim.AdamW(params, lr=1e-4),
-    )
-    return Session(host)
+    return Session(make_host(model, lora, workdir, dtype, device))
 
 
 def create_session_from_state(path: str | Path, with_optimizer: bool = True,

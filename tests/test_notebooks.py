@@ -1,0 +1,318 @@
+"""The notebooks: committed clean, run by papermill with tiny parameters on a kernel of this
+environment, their recorded metrics asserted (each notebook's last cell writes them with
+workbench.notebook.record_metrics); and one run in a real browser (JupyterLab + Debian's
+chromium driven by Playwright).
+
+The kernel is a kernelspec named workbench-test whose argv is this interpreter, written to a
+temporary JUPYTER_PATH, so a clean clone needs nothing registered beforehand.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from workbench.envs import eval_set, oracle_ceiling, shortest_path_lengths
+from workbench.notebook import read_recorded
+from workbench.rl import FAILURE_REASONS
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = ROOT / "notebooks"
+NAMES = ["00_quickstart", "01_mazes", "02_rollouts", "03_update", "04_train", "05_evaluate",
+         "06_serve", "07_session_api"]
+KERNEL = "workbench-test"
+ARTIFACTS = ROOT / "runs" / "test-artifacts"
+
+
+# ---------------------------------------------------------------- committed state
+
+
+def _parameter_lines(cell) -> list[str]:
+    return [line for line in cell.source.splitlines()
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_notebook_is_clean_and_has_its_parameters_cell(name: str) -> None:
+    from papermill import inspect_notebook
+
+    nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)
+    nbformat.validate(nb)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    tagged = [c for c in code if "parameters" in c.metadata.get("tags", [])]
+    assert len(tagged) == 1, "exactly one cell tagged `parameters`"
+    assert all(not c.outputs and c.execution_count is None for c in code), "strip outputs"
+    inferred = set(inspect_notebook(str(NOTEBOOKS / f"{name}.ipynb")))
+    assert len(inferred) == len(_parameter_lines(tagged[0])), "papermill cannot parse a line"
+    assert "OUT_DIR" in inferred and (name == "01_mazes" or "RAY_ADDRESS" in inferred)
+    assert "record_metrics(" in code[-1].source, "the last cell records the metrics"
+    long = [c.source.splitlines()[0] for c in code if len(c.source.splitlines()) > 15]
+    assert not long, f"cells of 15 lines or fewer: {long}"
+
+
+def test_every_notebook_is_listed() -> None:
+    assert sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb")) == NAMES
+
+
+# ---------------------------------------------------------------- papermill runs
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A kernelspec for this interpreter on a temporary JUPYTER_PATH (searched first)."""
+    from ipykernel.kernelspec import install
+
+    prefix = tmp_path_factory.mktemp("jupyter")
+    install(kernel_name=KERNEL, display_name="Python (workbench test)", prefix=str(prefix))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+        yield KERNEL
+
+
+def run_notebook(name: str, kernel: str, out: Path, **parameters) -> dict:
+    """Execute notebooks/<name>.ipynb into out/ with OUT_DIR=out; its recorded metrics."""
+    import papermill
+
+    out.mkdir(parents=True, exist_ok=True)
+    papermill.execute_notebook(
+        str(NOTEBOOKS / f"{name}.ipynb"), str(out / f"{name}.ipynb"),
+        parameters=parameters | {"OUT_DIR": str(out)}, kernel_name=kernel, cwd=str(out),
+        progress_bar=False, execution_timeout=300)
+    return read_recorded(out / "metrics.json")
+
+
+SMALL = {"MAZE_SIZE": 5, "MAX_TURNS": 6}  # the settings conftest's sft_model was trained with
+
+
+def test_00_quickstart(kernel: str, tiny_dir: Path, tmp_path: Path) -> None:
+    m = run_notebook("00_quickstart", kernel, tmp_path, BASE_MODEL=str(tiny_dir), SFT_STEPS=2,
+                     GRPO_STEPS=2, EVAL_MAZES=4, **SMALL)
+    assert m["steps"] == [1, 2] and m["eval_steps"] == [0, 2]
+    assert all(0.0 <= r <= 1.0 for r in m["reward_mean"] + m["success_rate"])
+    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(5, 4), 6, "reach_goal")
+    assert all(s <= m["ceiling"] for s in m["eval_greedy_solved"])
+    assert m["cluster"] == "in-process"
+
+
+def test_01_mazes(kernel: str, tmp_path: Path) -> None:
+    budgets = [3, 4, 6]
+    m = run_notebook("01_mazes", kernel, tmp_path, MAZE_SIZE=5, EVAL_MAZES=16,
+                     TURN_BUDGETS=budgets, MAX_TURNS=6, BASELINE_PASSES=1)
+    states = eval_set(5, 16)
+    assert m["ceilings"] == {rule: {str(b): oracle_ceiling(states, b, rule) for b in budgets}
+                             for rule in ("reach_goal", "stop_on_goal")}
+    assert m["ceilings"]["stop_on_goal"]["4"] == 0  # 4-move paths need a 5th turn to stop
+    assert m["shortest_paths"] == shortest_path_lengths(states)
+    assert m["baseline_solved"]["oracle"] == m["baseline_ceiling"] == oracle_ceiling(
+        states, 6, "reach_goal")
+    assert m["baseline_solved"]["random"] <= m["baseline_ceiling"]
+
+
+def test_02_rollouts(kernel: str, sft_model: str, tmp_path: Path) -> None:
+    m = run_notebook("02_rollouts", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
+                     MAZES=2, SAMPLES_PER_MAZE=8, **SMALL)
+    rewards, adv = m["rewards_P_G"], m["advantages_P_G"]
+    assert len(rewards) == 2 and all(len(g) == 8 for g in rewards)
+    flat = [len(set(g)) == 1 for g in rewards]
+    assert m["zero_variance_groups"] == sum(flat)
+    for is_flat, a_G in zip(flat, adv):
+        if is_flat:
+            assert a_G == [0.0] * 8
+        else:  # GRPO: mean 0, unbiased std 1 (up to the 1e-6 in the denominator)
+            mean = sum(a_G) / 8
+            std = math.sqrt(sum((a - mean) ** 2 for a in a_G) / 7)
+            assert abs(mean) < 1e-9 and abs(std - 1.0) < 1e-4
+    assert m["datums"] == sum(a != 0.0 for g in adv for a in g)
+    assert m["player_turns"] == m["turns_P_G"][0][0]
+
+
+def test_03_update(kernel: str, sft_model: str, tmp_path: Path) -> None:
+    m = run_notebook("03_update", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
+                     MAZES=2, SAMPLES_PER_MAZE=4, REPLAY_STEP=2, **SMALL)
+    assert m["datums"] == 8 and m["tokens"] > 0
+    assert m["max_abs_logprob_diff_before"] < 1e-4 and m["clip_fraction_before"] == 0.0
+    total = math.sqrt(sum(v * v for v in m["module_grad_norms"].values()))
+    assert math.isclose(total, m["grad_norm"], rel_tol=1e-4, abs_tol=1e-7)
+    assert m["replay_exact"] and m["replay_replayed"] == m["replay_logged"]
+    assert m["replay_logged"]["update/loss"] == m["replay_replayed"]["update/loss"]
+
+
+def test_04_train_kill_and_resume(kernel: str, sft_model: str, tmp_path: Path) -> None:
+    m = run_notebook("04_train", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
+                     TOTAL_STEPS=4, KILL_AFTER=2, CKPT_INTERVAL=2, EVAL_INTERVAL=2,
+                     EXPORT_INTERVAL=4, EVAL_MAZES=4, **SMALL)
+    assert m["return_code"] == -9, "the background run finished before it was killed"
+    assert 2 <= m["last_step_at_kill"] < 4
+    assert m["identical"], "resumed metrics differ from the uninterrupted run's"
+    assert m["steps"] == [1, 2, 3, 4] and m["eval_steps"] == [0, 2, 4]
+    assert m["checkpoints"] == ["global_step_0", "global_step_2", "global_step_4"]
+    assert m["exports"] == ["global_step_4"]
+
+
+def test_05_evaluate(kernel: str, tiny_dir: Path, sft_model: str, tmp_path: Path) -> None:
+    m = run_notebook("05_evaluate", kernel, tmp_path, BASE_MODEL=str(tiny_dir),
+                     SFT_MODEL=sft_model, GRPO_STEPS=2, EVAL_MAZES=8, **SMALL)
+    ceiling = oracle_ceiling(eval_set(5, 8), 6, "reach_goal")
+    assert m["ceiling"] == m["oracle_ceiling"] == ceiling
+    assert set(m["solved"]) == {"base/greedy", "sft/greedy", "grpo/greedy"}
+    for key, solved in m["solved"].items():
+        policy = key.split("/")[0]
+        reasons = m["failure_reasons"][policy]
+        assert set(reasons) <= set(FAILURE_REASONS)
+        assert sum(reasons.values()) == m["episodes"][key] - solved  # every failure has one
+        assert solved <= ceiling
+    failed_grpo = m["episodes"]["grpo/greedy"] - m["solved"]["grpo/greedy"]
+    assert m["gallery"] == min(8, failed_grpo)
+
+
+def test_06_serve(kernel: str, sft_model: str, tmp_path: Path,
+                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Publish and promote a 1-step adapter, serve it on a local Ray (Serve on 127.0.0.1), play
+    maze 0 through the endpoint: the same moves as the in-process greedy rollout."""
+    pytest.importorskip("ray.serve")
+    pytest.importorskip("openai")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    m = run_notebook("06_serve", kernel, tmp_path, SFT_MODEL=sft_model, GRPO_STEPS=1, PORT=port,
+                     **SMALL)
+    assert m["models"] == ["sft", "sft:maze-nb", "sft:default"] and m["default"] == "maze-nb"
+    assert m["step"] == 1 and m["cluster"] == "local" and m["same_as_in_process"]
+    assert 1 <= m["turns"] == len(m["replies"]) == m["requests"] <= SMALL["MAX_TURNS"]
+
+
+def test_07_session_api(kernel: str, sft_model: str, tmp_path: Path) -> None:
+    m = run_notebook("07_session_api", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
+                     ITERATIONS=3, **SMALL)
+    assert m["iterations"] == [1, 2, 3] and m["optimizer_steps"] == [1, 2, 3]
+    assert m["logprob_gap"] < 1e-4
+    assert all(0.0 <= r <= 1.0 for r in m["rewards"])
+    assert all(loss == 0.0 for loss, n in zip(m["losses"], m["datums"]) if n == 0)
+
+
+def test_07_session_api_on_local_ray(kernel: str, sft_model: str, tmp_path: Path,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAY_ADDRESS="local": the same loop on trainer and sampler actors of a local Ray."""
+    pytest.importorskip("ray")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    m = run_notebook("07_session_api", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
+                     ITERATIONS=1, RAY_ADDRESS="local", **SMALL)
+    assert m["cluster"] == "local" and m["optimizer_steps"] == [1]
+    assert m["logprob_gap"] < 1e-4
+
+
+# ---------------------------------------------------------------- a real browser
+
+CHROMIUM = "/usr/bin/chromium"
+
+
+def _browser_missing() -> str:
+    if not Path(CHROMIUM).exists():
+        return f"{CHROMIUM} is missing (as root on Debian: apt-get install -y chromium)"
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is missing (pip install -e '.[dev]')"
+    return ""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_server(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "jupyter lab exited"
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)  # polling until the server answers
+    raise TimeoutError(f"jupyter lab did not answer at {url}")
+
+
+@pytest.fixture
+def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
+    """JupyterLab on 127.0.0.1 over a folder holding 02_rollouts with tiny parameters; its URL."""
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    if reason := _browser_missing():
+        pytest.skip(reason)
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = load_notebook_node(str(NOTEBOOKS / "02_rollouts.ipynb"))
+    nb = parameterize_notebook(nb, {"BASE_MODEL": sft_model, "SFT_STEPS": 0, "MAZES": 1,
+                                    "SAMPLES_PER_MAZE": 4, "OUT_DIR": str(tmp_path / "out"),
+                                    **SMALL})
+    nbformat.write(nb, root / "02_rollouts.ipynb")
+    settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
+    settings.mkdir(parents=True)
+    (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
+    port, token = _free_port(), secrets.token_hex(16)
+    env = os.environ | {"JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
+                        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip", "127.0.0.1",
+         "--allow-root", f"--port={port}", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}",
+         f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"))
+    try:
+        _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", proc)
+        yield f"http://127.0.0.1:{port}/lab/tree/02_rollouts.ipynb?token={token}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_trajectory_player_in_a_real_browser(lab: str) -> None:
+    """Open 02_rollouts in JupyterLab, run all cells, see the player's image, move its slider
+    with the keyboard and see the turn change; the screenshot is kept in runs/test-artifacts."""
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(lab)
+            idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+            expect(idle).to_be_visible(timeout=120_000)
+            page.get_by_role("menuitem", name="Run", exact=True).click()
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+            text = page.locator(".widget-html-content").filter(has_text="reply:").first
+            expect(text).to_contain_text("turn 1 of", timeout=240_000)
+            image = page.locator("img.widget-image").first
+            expect(image).to_be_visible()
+            assert image.evaluate("img => img.naturalWidth") > 0, "the frame did not load"
+            page.locator(".widget-slider .noUi-handle").first.focus()
+            page.keyboard.press("ArrowRight")
+            expect(text).to_contain_text("turn 2 of", timeout=30_000)
+            expect(page.locator(".widget-readout").first).to_have_text("2")
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "browser_02_rollouts.png"), full_page=True)
+            browser.close()
+

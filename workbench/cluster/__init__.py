@@ -1,0 +1,24 @@
+"""The session on Ray: connect, actors for training and sampling, placement, jobs.
+
+    from workbench.cluster import connect, create_ray_session
+    connect("local", num_cpus=2)
+    session = create_ray_session("tiny", num_workers=2, num_engines=2, workdir="runs/x")
+
+Everything here imports without Ray; Ray is imported when a function needs it (and a missing
+Ray raises an ImportError naming `pip install 'workbench[ray]'`).
+"""
+
+from workbench.cluster.connect import ClusterInfo, connect, disconnect
+from workbench.cluster.placement import PlacementPlan, plan_placement
+from workbench.cluster.ray_session import (
+    RaySamplingClient,
+    RaySession,
+    RayTrainingClient,
+    SyncRecord,
+    create_ray_session,
+)
+
+__all__ = [
+    "ClusterInfo", "PlacementPlan", "RaySamplingClient", "RaySession", "RayTrainingClient",
+    "SyncRecord", "connect", "create_ray_session", "disconnect", "plan_placement",
+]

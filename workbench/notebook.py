@@ -1,0 +1,165 @@
+"""Helpers the notebooks call (kept here, not in cells, so they are tested and reusable).
+
+    config = notebook_config(["env.size=5"], ray_address="", run_dir="runs/nb/00")
+    model = policy_model("tiny", sft_steps=40, config=config)     # a short oracle SFT first
+    proc = start_train_process(overrides, log_path)               # `python -m workbench train`
+    rows = live_plot(run_dir, done=lambda: proc.poll() is not None)
+    record_metrics({"steps": 4}, "runs/nb/00/metrics.json")       # the last cell of a notebook
+
+`record_metrics` is how a notebook hands its key numbers to the tests: a JSON file (path given
+by the notebook's OUT_DIR parameter) that tests/test_notebooks.py reads and asserts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from workbench.config import PRESETS, RunConfig, apply_overrides
+
+
+def notebook_config(overrides: list[str], ray_address: str = "", run_dir: str | Path = "",
+                    preset: str = "tiny") -> RunConfig:
+    """A preset with overrides, the cluster address ("" in-process, "local", "auto",
+    "ray://host:port") and the run directory."""
+    extra = [f"cluster.address={ray_address}"] + ([f"run_dir={run_dir}"] if run_dir else [])
+    return apply_overrides(PRESETS[preset], list(overrides) + extra)
+
+
+def policy_model(base: str, sft_steps: int, config: RunConfig, out_dir: str | Path = "",
+                 log: Any = print) -> str:
+    """`base` itself when sft_steps is 0; else `base` after a short oracle SFT (sft.* settings
+    of `config`, sft_steps steps) written to <out_dir or run_dir>/sft/model. A policy that never
+    emits a valid move gets no reward signal, so most notebooks start from such a model."""
+    if sft_steps <= 0:
+        return base
+    from dataclasses import replace
+
+    from workbench.rl.sft import run_sft
+
+    folder = Path(out_dir or config.run_dir) / "sft"
+    sft = replace(config, model=replace(config.model, name=base),
+                  sft=replace(config.sft, steps=sft_steps), run_dir=str(folder))
+    return str(run_sft(sft, log=log))
+
+
+def jsonable(value: Any) -> Any:
+    """Plain JSON values: numpy scalars and arrays, tuples and dataclass-free containers."""
+    if isinstance(value, dict):
+        return {str(k): jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [jsonable(v) for v in value]
+    if hasattr(value, "tolist"):
+        return jsonable(value.tolist())
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+def record_metrics(values: dict[str, Any], path: str | Path) -> None:
+    """Write a notebook's key metrics as JSON (tests read it with read_recorded); prints where."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = jsonable(values)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True))
+    print(f"recorded {len(data)} metrics to {path}")
+
+
+def read_recorded(path: str | Path) -> dict[str, Any]:
+    """The metrics a notebook recorded."""
+    return json.loads(Path(path).read_text())
+
+
+def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """metrics.jsonl rows without their wall-clock timings (time/*), for exact comparison."""
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def start_train_process(overrides: list[str], log_path: str | Path,
+                        env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`python -m workbench train <overrides>` as a child process, output to log_path."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        return subprocess.Popen([sys.executable, "-m", "workbench", "train", *overrides],
+                                stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
+
+
+def kill_process(proc: subprocess.Popen) -> int:
+    """SIGKILL (no chance to clean up, as a crash or a lost node) and wait; the return code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGKILL)
+    return proc.wait()
+
+
+def live_plot(run_dir: str | Path, done: Callable[[], bool], every_s: float = 1.0,
+              timeout_s: float = 600.0, title: str = "GRPO") -> list[dict[str, Any]]:
+    """Redraw plot_training from metrics.jsonl whenever it grows, until done() is true (or
+    timeout_s passes); returns the rows read last. Reads the file only: works on any run."""
+    from IPython.display import clear_output, display
+
+    from workbench._deps import require
+    from workbench.run import read_metrics
+    from workbench.viz import plot_training
+
+    plt = require("matplotlib.pyplot")
+    shown, deadline = -1, time.monotonic() + timeout_s
+    while True:
+        finished = done() or time.monotonic() > deadline
+        rows = read_metrics(run_dir)
+        if len(rows) != shown or finished:
+            fig = plot_training(rows, title)
+            clear_output(wait=True)
+            display(fig)
+            plt.close(fig)
+            shown = len(rows)
+        if finished:
+            return rows
+        time.sleep(every_s)
+
+
+def evaluate_model(config: RunConfig, model: str, adapter: str | Path = "",
+                   name: str = "policy") -> Any:
+    """Evaluate `model` (plus a PEFT adapter folder, if given) on config's fixed set, in a
+    session of its own (in-process or on Ray, as config.cluster.address says) -> EvalRecord.
+    Episodes are kept (without token streams) for galleries."""
+    from workbench.cli import adapter_settings
+    from workbench.envs import eval_set
+    from workbench.rl import phases
+    from workbench.rl.train import open_session
+
+    lora = adapter_settings(str(adapter)) if adapter else None
+    extra = [f"lora.rank={lora.rank}", f"lora.alpha={lora.alpha}"] if lora else []
+    cfg = apply_overrides(config, [f"model.name={model}", *extra])
+    session = open_session(cfg, Path(cfg.run_dir) / f"eval-{name}", log=lambda *_: None)
+    try:
+        if adapter:
+            session.training_client.load_adapter(str(adapter)).result()
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        e = cfg.eval
+        return phases.evaluate(sampler, cfg.maze, eval_set(cfg.env.size, e.n_mazes), name,
+                               e.greedy, e.sampled_passes, e.temperature, cfg.generator.max_tokens)
+    finally:
+        session.close()
+
+
+def failure_table(records: dict[str, Any], mode: str = "greedy") -> dict[str, dict[str, int]]:
+    """Failed episodes per policy counted by reason (rl.evaluate.failure_reason)."""
+    from collections import Counter
+
+    from workbench.rl.evaluate import failure_reason
+
+    table = {}
+    for name, record in records.items():
+        reasons = Counter(failure_reason(ep) for group in record.episodes[mode] for ep in group)
+        reasons.pop("solved", None)
+        table[name] = dict(sorted(reasons.items()))
+    return table

@@ -1,0 +1,93 @@
+"""Ray Serve deployment of the OpenAI-compatible app: N replicas, each with its own engine and
+adapter LRU, behind Ray Serve's HTTP proxy on 127.0.0.1.
+
+    python -m workbench serve --adapters s3://bucket/workbench --replicas 2 --port 8000
+    endpoint = serve(adapters="s3://bucket/workbench", replicas=2)     # from a notebook
+    OpenAI(base_url=endpoint.base_url, api_key=...).chat.completions.create(model=..., ...)
+    shutdown()
+
+The replica class is `@serve.ingress()` over `workbench.serve.app.build_app(engine)`, built at
+replica start (`__serve_build_asgi_app__`), so the same app runs under Ray and in unit tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from workbench._deps import require
+from workbench.serve.engine import ServeSettings, key_hash
+
+APP_NAME = "workbench"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """A running server: where to send OpenAI requests, and the base model id."""
+
+    base_url: str  # http://127.0.0.1:<port>/v1
+    model: str  # the base id; adapters are f"{model}:{name}"
+    num_replicas: int
+
+
+def deployment(settings: ServeSettings) -> Any:
+    """The bound Ray Serve application (not started)."""
+    require("fastapi")
+    serve = require("ray.serve")
+    from workbench.serve.app import build_app
+    from workbench.serve.engine import open_engine
+
+    @serve.deployment(name="openai", num_replicas=settings.num_replicas,
+                      ray_actor_options={"num_cpus": settings.cpus_per_replica})
+    @serve.ingress()
+    class OpenAIReplica:
+        """One replica: an engine (base + adapter LRU) and the app over it."""
+
+        def __init__(self, settings: ServeSettings) -> None:
+            self.engine = open_engine(settings)
+
+        def __serve_build_asgi_app__(self) -> Any:
+            return build_app(self.engine)
+
+    return OpenAIReplica.bind(settings)
+
+
+def start(settings: ServeSettings, address: str = "local", num_cpus: int = 0,
+          temp_dir: str = "", log: Callable[[str], None] = print) -> Endpoint:
+    """Connect to Ray (a local instance on 127.0.0.1 by default), start Serve's HTTP proxy on
+    settings.host:port and deploy; returns once every replica is up."""
+    from workbench.cluster import connect
+
+    connect(address, num_cpus=num_cpus or None, temp_dir=temp_dir or None, log=log)
+    serve = require("ray.serve")
+    serve.start(http_options={"host": settings.host, "port": settings.port})
+    serve.run(deployment(settings), name=APP_NAME, route_prefix="/")
+    endpoint = Endpoint(f"http://{settings.host}:{settings.port}/v1", settings.base_id,
+                        settings.num_replicas)
+    key = ", API key required" if settings.api_key_sha256 else ""
+    log(f"serving {settings.base_id} (+ adapters from {settings.adapters or 'nowhere'}) at "
+        f"{endpoint.base_url} with {settings.num_replicas} replica(s), adapter cache "
+        f"{settings.cache_size} per replica{key}")
+    return endpoint
+
+
+def serve(model: str = "tiny", adapters: str = "", replicas: int = 1, port: int = 8000,
+          api_key: str = "", cache_size: int = 4, address: str = "local",
+          log: Callable[[str], None] = print, **settings: Any) -> Endpoint:
+    """Start the endpoint from a notebook or script (see `start`); `settings` are further
+    ServeSettings fields (served_name, endpoint_url, cpus_per_replica, ...)."""
+    config = replace(ServeSettings(), model=model, adapters=adapters, num_replicas=replicas,
+                     port=port, api_key_sha256=key_hash(api_key), cache_size=cache_size,
+                     **settings)
+    return start(config, address, log=log)
+
+
+def shutdown(disconnect: bool = False) -> None:
+    """Stop the Serve application (and leave Ray when disconnect)."""
+    serve = require("ray.serve")
+    serve.shutdown()
+    if disconnect:
+        from workbench.cluster import disconnect as leave
+
+        leave()

@@ -1,0 +1,252 @@
+"""The serving engine of one replica: a base model, LoRA adapters loaded on first use into an LRU
+of `cache_size`, and the transformers sampler of `workbench.policy`.
+
+    engine = open_engine(ServeSettings(model="tiny", adapters="s3://bucket/workbench"))
+    generate(engine, parse_request(body, 16, 256))      # an OpenAI chat.completion dict
+
+`model` in a request is the base id (the base alone) or `<base>:<adapter>`; `<base>:default` is
+the registry's serving default (re-read every `default_ttl_s`). An adapter is downloaded from
+`<adapters>/adapters/<name>/` once per upload into the replica's cache folder, checked (config,
+weights readable, trained on this base's weights hash) before it touches the model, loaded as a
+named PEFT adapter, and evicted (deleted from the model) when the LRU is full. Requests on a
+replica run one at a time under a lock (the model is shared); each gets its own torch Generator.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import threading
+import time
+from collections import OrderedDict
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench import registry, storage
+from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
+from workbench.policy import ChatFormat, SamplingParams, chat_format, sample
+from workbench.serve.chat import ChatRequest, RequestError, completion_json, render_messages
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    """What every replica serves and how (sent as is to each Ray Serve replica)."""
+
+    model: str = "tiny"  # base model: "tiny", a checkpoint folder or a hub id
+    served_name: str = ""  # the base id clients name ("" = model)
+    adapters: str = ""  # store holding adapters/<name>/ (a folder or s3://bucket/prefix)
+    endpoint_url: str = ""  # S3-compatible endpoint ("" = AWS_ENDPOINT_URL or AWS)
+    cache_size: int = 4  # adapters resident per replica (LRU); Ray Serve LLM: per replica too
+    cache_dir: str = ""  # downloaded adapters ("" = $WORKBENCH_CACHE/serve-adapters)
+    num_replicas: int = 1  # Ray Serve replicas
+    cpus_per_replica: float = 1.0  # Ray CPUs reserved by each replica
+    host: str = "127.0.0.1"  # HTTP bind address of Ray Serve's proxy
+    port: int = 8000  # HTTP port
+    api_key_sha256: str = ""  # sha256 of the API key ("" = no key); the key itself never travels
+    default_max_tokens: int = 16  # reply cap when a request names none
+    max_tokens_limit: int = 256  # largest max_tokens a request may ask
+    dtype: str = "float32"  # weights dtype
+    device: str = "cpu"  # cpu | cuda (the transformers engine; vLLM: see serve.vllm)
+    default_ttl_s: float = 5.0  # how long a replica trusts its copy of serving.json
+
+    @property
+    def base_id(self) -> str:
+        """The model id of the base, as clients write it."""
+        return self.served_name or self.model
+
+
+def key_hash(api_key: str) -> str:
+    """sha256 hex of an API key ("" stays "": no key)."""
+    return hashlib.sha256(api_key.encode()).hexdigest() if api_key else ""
+
+
+@dataclass
+class Engine:
+    """A replica's state: model, adapters resident in it (LRU, oldest first), counters."""
+
+    settings: ServeSettings
+    lm: LoadedModel  # lm.model: a PeftModel over the base (adapters named by peft_name)
+    fmt: ChatFormat
+    base_hash: str  # weights sha256 of the base (adapters trained on another base are refused)
+    store: storage.Store | None  # where adapters are published (None: base only)
+    resident: OrderedDict[str, str] = field(default_factory=OrderedDict)  # name -> peft name
+    counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("requests", "hits", "misses", "evictions", "fetches", "load_failures"), 0))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    default_seen: tuple[float, str | None] = (0.0, None)  # (when read, serving default)
+
+
+def open_engine(settings: ServeSettings) -> Engine:
+    """Load and hash the base; wrap it in PEFT with an inert rank-1 adapter, so that adapters
+    come and go with load_adapter / delete_adapter and the base runs with adapters disabled."""
+    lm = load_model(settings.model, dtype=getattr(torch, settings.dtype), device=settings.device)
+    base_hash = weights_hash(lm.model)
+    lm.model = add_lora(lm.model, LoraSettings(rank=1, alpha=1)).eval()  # B = 0: inert
+    store = storage.open_store(settings.adapters, settings.endpoint_url) \
+        if settings.adapters else None
+    shutil.rmtree(replica_cache(settings), ignore_errors=True)  # a reused pid's old copies
+    return Engine(settings, lm, chat_format(lm.processor), base_hash, store)
+
+
+def peft_name(name: str) -> str:
+    """A PEFT-safe adapter name (PEFT keys modules by it; '.' is not allowed there)."""
+    return "a" + hashlib.sha1(name.encode()).hexdigest()[:16]
+
+
+def _not_found(engine: Engine, model: str, why: str) -> RequestError:
+    return RequestError(f"The model '{model}' does not exist: {why}. Available models: "
+                        f"{', '.join(m['id'] for m in list_models(engine)['data'])}",
+                        status=404, code="model_not_found")
+
+
+def resolve_model(engine: Engine, model: str) -> str | None:
+    """None for the base id, else the adapter name of `<base>:<adapter>` (404 otherwise)."""
+    base = engine.settings.base_id
+    if model == base:
+        return None
+    if not model.startswith(base + ":"):
+        raise _not_found(engine, model, f"this server serves '{base}' and '{base}:<adapter>'")
+    name = model[len(base) + 1:]
+    if name == "default":
+        name = serving_default(engine)
+        if name is None:
+            raise _not_found(engine, model, "no adapter has been promoted as the default")
+    if not registry.NAME_RE.match(name):
+        raise _not_found(engine, model, f"{name!r} is not a valid adapter name")
+    return name
+
+
+def serving_default(engine: Engine) -> str | None:
+    """The registry's serving default, re-read once `default_ttl_s` has passed."""
+    seen_at, name = engine.default_seen
+    if engine.store is None:
+        return None
+    if time.monotonic() - seen_at > engine.settings.default_ttl_s:
+        name = registry.serving_state(engine.store)["default"]
+        engine.default_seen = (time.monotonic(), name)
+    return name
+
+
+def fetch(engine: Engine, model: str, name: str) -> Path:
+    """Local folder of adapter `name` (downloaded once per upload); 404 when unknown, 422 when
+    its upload is torn."""
+    if engine.store is None:
+        raise _not_found(engine, model, "this server has no adapter store (start it with "
+                                        "--adapters s3://... or a folder)")
+    key = f"{registry.ADAPTERS}/{name}"
+    if not storage.list_dir(engine.store, key):
+        raise _not_found(engine, model, f"no adapter {name!r} in "
+                                        f"{storage.redact(storage.url(engine.store, key))}")
+    if not storage.folder_complete(engine.store, key):
+        raise RequestError(f"adapter {name!r} is incomplete (its upload has no COMPLETE "
+                           "marker): publish it again", status=422, code="adapter_incomplete")
+    engine.counters["fetches"] += 1  # downloaded unless this upload is in the cache folder
+    return storage.cached_folder(engine.store, key, replica_cache(engine.settings))
+
+
+def replica_cache(settings: ServeSettings) -> Path:
+    """This replica's folder of downloaded adapters (replicas never share one, so one never
+    replaces a folder another is reading): <cache_dir or $WORKBENCH_CACHE/serve-adapters>/
+    <host>-<pid>."""
+    from workbench.model.tiny import cache_root
+
+    root = Path(settings.cache_dir) if settings.cache_dir else cache_root() / "serve-adapters"
+    return root / f"{socket.gethostname()}-{os.getpid()}"
+
+
+def check_adapter(engine: Engine, name: str, folder: Path) -> None:
+    """Refuse a broken adapter (unreadable config or weights) or one of another base (422),
+    before it touches the model."""
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((folder / "adapter_config.json").read_text())
+        if config.get("peft_type") != "LORA" or "r" not in config:
+            raise ValueError("adapter_config.json is not a LoRA config")
+        weights = load_file(str(folder / "adapter_model.safetensors"))
+        if not weights or not all("lora_" in key for key in weights):
+            raise ValueError("adapter_model.safetensors holds no LoRA weights")
+    except Exception as err:
+        raise RequestError(f"adapter {name!r} is broken and was not loaded: "
+                           f"{type(err).__name__}: {str(err)[:200]}", status=422,
+                           code="adapter_broken") from None
+    try:
+        registry.check_base(registry.read_adapter_meta(folder), engine.base_hash,
+                            engine.settings.base_id, repr(name))
+    except registry.ForeignBaseError as err:
+        raise RequestError(str(err), status=422, code="adapter_foreign_base") from None
+
+
+def ensure_adapter(engine: Engine, model: str, name: str) -> str:
+    """The PEFT name of adapter `name`, loading it (and evicting the least recently used one
+    beyond cache_size) on a miss."""
+    if name in engine.resident:
+        engine.counters["hits"] += 1
+        engine.resident.move_to_end(name)
+        return engine.resident[name]
+    engine.counters["misses"] += 1
+    folder = fetch(engine, model, name)
+    check_adapter(engine, name, folder)
+    internal, peft_model = peft_name(name), engine.lm.model
+    try:
+        peft_model.load_adapter(str(folder), adapter_name=internal)
+    except Exception as err:
+        engine.counters["load_failures"] += 1
+        if internal in peft_model.peft_config:
+            peft_model.delete_adapter(internal)
+        raise RequestError(f"adapter {name!r} could not be loaded onto the base: "
+                           f"{type(err).__name__}: {str(err)[:200]}", status=422,
+                           code="adapter_broken") from None
+    engine.resident[name] = internal
+    while len(engine.resident) > engine.settings.cache_size:
+        _, old = engine.resident.popitem(last=False)
+        peft_model.set_adapter(internal)  # never delete the active adapter
+        peft_model.delete_adapter(old)
+        engine.counters["evictions"] += 1
+    return internal
+
+
+def generate(engine: Engine, request: ChatRequest) -> dict[str, Any]:
+    """Answer one chat request (an OpenAI chat.completion dict); RequestError for 4xx."""
+    stream = render_messages(engine.lm.processor, engine.fmt, request.messages)
+    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
+    with engine.lock:
+        engine.counters["requests"] += 1
+        adapter = resolve_model(engine, request.model)
+        model = engine.lm.model
+        if adapter is not None:
+            model.set_adapter(ensure_adapter(engine, request.model, adapter))
+        with model.disable_adapter() if adapter is None else nullcontext():
+            completions = sample(model, engine.fmt, [stream], request.n, params,
+                                 torch.Generator().manual_seed(seed),
+                                 engine.lm.processor.tokenizer.pad_token_id)[0]
+    return completion_json(request, engine.lm.processor, len(stream), completions)
+
+
+def list_models(engine: Engine) -> dict[str, Any]:
+    """/v1/models: the base, `<base>:<name>` for every complete published adapter, and
+    `<base>:default` when one is promoted."""
+    base = engine.settings.base_id
+    data = [{"id": base, "object": "model", "created": 0, "owned_by": "workbench",
+             "root": engine.settings.model, "parent": None}]
+    if engine.store is not None:
+        names = registry.list_names(engine.store)
+        names += ["default"] if registry.serving_state(engine.store)["default"] else []
+        data += [{"id": f"{base}:{n}", "object": "model", "created": 0,
+                  "owned_by": "workbench", "root": n, "parent": base} for n in names]
+    return {"object": "list", "data": data}
+
+
+def engine_stats(engine: Engine) -> dict[str, Any]:
+    """Counters of this replica: requests, adapter cache hits / misses / evictions, resident."""
+    return {"replica": f"{socket.gethostname()}:{os.getpid()}", "base": engine.settings.base_id,
+            "base_weights_sha256": engine.base_hash, "cache_size": engine.settings.cache_size,
+            "resident": list(engine.resident), **engine.counters}

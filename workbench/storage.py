@@ -1,0 +1,457 @@
+"""Storage: one interface over a local folder or an S3 prefix, and run directories on S3.
+
+    store = open_store("s3://bucket/runs/a", endpoint_url="http://127.0.0.1:9000")
+    put_folder(store, "exports/global_step_4", Path("runs/a/exports/global_step_4"))
+    get_folder(store, "exports/global_step_4", Path("/tmp/adapter"))   # refuses a torn upload
+    list_dir(store, "exports"); exists(store, "config.json"); read_json(store, "config.json")
+
+S3 goes through boto3 with the usual AWS settings: credentials and region from the environment,
+~/.aws or an instance role; the endpoint from `endpoint_url`, else AWS_ENDPOINT_URL(_S3), else
+AWS itself. Folders are uploaded file by file with their `COMPLETE` marker last (an existing
+marker is deleted first), so a torn upload is never taken as complete: `get_folder` refuses a
+folder without it. Credentials are never stored here: reprs show only the URL, and S3 errors
+become `StorageError`s whose text is scrubbed of any key this process knows.
+
+A run directory at `run_dir=s3://...` is trained in a local working copy (`open_run_dir`);
+`mirror_run` uploads what is new after each step (checkpoints and exports as whole folders,
+metrics, eval results, step records, then the latest-checkpoint marker). Resuming from S3
+downloads the newest complete checkpoint first (plus config, manifest, metrics, eval results).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from workbench._deps import require
+
+COMPLETE = "COMPLETE"  # the same marker as workbench.session.checkpoint
+LATEST = "latest_checkpointed_iteration.txt"  # the same marker as workbench.run
+MIRROR_STATE = ".mirror-state.json"  # in a working copy: what has been uploaded already
+CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+class StorageError(RuntimeError):
+    """A storage operation that failed (its message never holds credentials)."""
+
+
+class IncompleteUpload(StorageError):
+    """A folder without its COMPLETE marker: interrupted upload or write."""
+
+
+def is_s3(url: str | Path) -> bool:
+    """True for s3://bucket[/prefix]."""
+    return str(url).startswith("s3://")
+
+
+@dataclass(frozen=True)
+class Store:
+    """A storage root: a local folder or s3://bucket/prefix (no credentials in here)."""
+
+    root: str  # local folder or s3://bucket/prefix
+    endpoint_url: str = ""  # S3-compatible endpoint; "" = AWS_ENDPOINT_URL(_S3) or AWS
+
+    @property
+    def s3(self) -> bool:
+        return is_s3(self.root)
+
+    @property
+    def bucket(self) -> str:
+        return self.root[5:].split("/", 1)[0]
+
+    @property
+    def prefix(self) -> str:
+        """Key prefix under the bucket, without slashes at either end."""
+        parts = self.root[5:].split("/", 1)
+        return parts[1].strip("/") if len(parts) > 1 else ""
+
+    @cached_property
+    def client(self) -> Any:
+        """boto3 S3 client (made on first use; region and credentials from AWS settings)."""
+        boto3 = require("boto3")
+        return boto3.session.Session().client("s3", endpoint_url=self.endpoint_url or None)
+
+    def __repr__(self) -> str:
+        where = f", endpoint_url={redact(self.endpoint_url)!r}" if self.endpoint_url else ""
+        return f"Store({redact(self.root)!r}{where})"
+
+    def __getstate__(self) -> dict[str, Any]:  # the client stays behind (it is not picklable)
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+
+def open_store(root: str | Path, endpoint_url: str = "") -> Store:
+    """A Store over `root`: s3://bucket/prefix or a local folder (made absolute)."""
+    text = str(root)
+    if is_s3(text):
+        if not text[5:].split("/", 1)[0]:
+            raise StorageError(f"{text!r} names no bucket: use s3://bucket/prefix")
+        return Store(text.rstrip("/"), endpoint_url)
+    return Store(str(Path(text).expanduser().resolve()), endpoint_url)
+
+
+def child(store: Store, *parts: str) -> Store:
+    """The store rooted at a sub-folder (sub-prefix)."""
+    return Store(url(store, *parts), store.endpoint_url)
+
+
+def url(store: Store, *parts: str) -> str:
+    """Full URL (or path) of a key under the store."""
+    key = "/".join(p.strip("/") for p in parts if p.strip("/"))
+    return f"{store.root}/{key}" if key else store.root
+
+
+def _key(store: Store, *parts: str) -> str:
+    return "/".join(p.strip("/") for p in (store.prefix, *parts) if p.strip("/"))
+
+
+def _path(store: Store, *parts: str) -> Path:
+    return Path(store.root, *[p.strip("/") for p in parts if p.strip("/")])
+
+
+# ------------------------------------------------------------------------- redaction
+
+
+def redact(text: str, store: Store | None = None) -> str:
+    """`text` with credentials removed: AWS keys from the environment (and the store's client),
+    and user:password@ in URLs."""
+    text = re.sub(r"(\w+://)[^/@\s]+@", r"\1***@", str(text))
+    for secret in _known_secrets(store):
+        text = text.replace(secret, "***")
+    return text
+
+
+def _known_secrets(store: Store | None) -> list[str]:
+    secrets = [os.environ.get(name, "") for name in CREDENTIAL_ENV]
+    client = store.__dict__.get("client") if store is not None else None
+    creds = getattr(getattr(client, "_request_signer", None), "_credentials", None)
+    if creds is not None:
+        secrets += [creds.access_key or "", creds.secret_key or "", creds.token or ""]
+    return sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True)
+
+
+@contextmanager
+def _errors(store: Store, op: str, key: str) -> Iterator[None]:
+    """Turn boto errors into StorageError / FileNotFoundError with scrubbed messages."""
+    try:
+        yield
+    except (StorageError, FileNotFoundError):
+        raise
+    except Exception as err:
+        if type(err).__module__.split(".")[0] not in ("botocore", "boto3", "urllib3", "s3transfer"):
+            raise
+        code = getattr(err, "response", {}).get("Error", {}).get("Code", type(err).__name__)
+        where = url(store, key.removeprefix(store.prefix).strip("/"))
+        message = redact(f"S3 {op} of {where} failed: {code}: {_first_line(err)}", store)
+        if code in ("NoSuchKey", "404", "NotFound"):
+            raise FileNotFoundError(message) from None
+        raise StorageError(message) from None
+
+
+def _first_line(err: Exception) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# ------------------------------------------------------------------------- files
+
+
+def exists(store: Store, key: str) -> bool:
+    """True when a file exists at key."""
+    if not store.s3:
+        return _path(store, key).is_file()
+    with _errors(store, "head", _key(store, key)):
+        try:
+            store.client.head_object(Bucket=store.bucket, Key=_key(store, key))
+            return True
+        except Exception as err:
+            if getattr(err, "response", {}).get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                return False
+            raise
+
+
+def read_bytes(store: Store, key: str) -> bytes:
+    """The bytes of a file (FileNotFoundError when absent)."""
+    if not store.s3:
+        path = _path(store, key)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist")
+        return path.read_bytes()
+    with _errors(store, "get", _key(store, key)):
+        return store.client.get_object(Bucket=store.bucket, Key=_key(store, key))["Body"].read()
+
+
+def write_bytes(store: Store, key: str, data: bytes) -> None:
+    """Write a file (a local one atomically)."""
+    if not store.s3:
+        path = _path(store, key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return
+    with _errors(store, "put", _key(store, key)):
+        store.client.put_object(Bucket=store.bucket, Key=_key(store, key), Body=data)
+
+
+def read_json(store: Store, key: str) -> Any:
+    """Parsed JSON of a file."""
+    return json.loads(read_bytes(store, key))
+
+
+def write_json(store: Store, key: str, data: Any) -> None:
+    """Write data as indented JSON."""
+    write_bytes(store, key, json.dumps(data, indent=1).encode())
+
+
+def put_file(store: Store, key: str, local: Path) -> None:
+    """Upload (or copy) one local file to key."""
+    if not store.s3:
+        write_bytes(store, key, Path(local).read_bytes())
+        return
+    with _errors(store, "upload", _key(store, key)):
+        store.client.upload_file(str(local), store.bucket, _key(store, key))
+
+
+def get_file(store: Store, key: str, local: Path) -> Path:
+    """Download (or copy) one file to a local path."""
+    local = Path(local)
+    local.parent.mkdir(parents=True, exist_ok=True)
+    if not store.s3:
+        shutil.copyfile(_path(store, key), local)
+        return local
+    with _errors(store, "download", _key(store, key)):
+        store.client.download_file(store.bucket, _key(store, key), str(local))
+    return local
+
+
+def list_dir(store: Store, key: str = "") -> list[str]:
+    """Names directly under key (files and folders), sorted; [] when there is nothing."""
+    if not store.s3:
+        folder = _path(store, key)
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    prefix = _key(store, key)
+    prefix = f"{prefix}/" if prefix else ""
+    names: set[str] = set()
+    with _errors(store, "list", prefix):
+        pages = store.client.get_paginator("list_objects_v2").paginate(
+            Bucket=store.bucket, Prefix=prefix, Delimiter="/")
+        for page in pages:
+            names |= {c["Prefix"][len(prefix):].rstrip("/") for c in page.get("CommonPrefixes", [])}
+            names |= {o["Key"][len(prefix):] for o in page.get("Contents", [])}
+    return sorted(n for n in names if n)
+
+
+def list_files(store: Store, key: str = "") -> list[str]:
+    """Every file under key, as paths relative to key, sorted."""
+    if not store.s3:
+        folder = _path(store, key)
+        return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                      if p.is_file()) if folder.is_dir() else []
+    prefix = _key(store, key)
+    prefix = f"{prefix}/" if prefix else ""
+    out = []
+    with _errors(store, "list", prefix):
+        for page in store.client.get_paginator("list_objects_v2").paginate(
+                Bucket=store.bucket, Prefix=prefix):
+            out += [o["Key"][len(prefix):] for o in page.get("Contents", [])]
+    return sorted(out)
+
+
+def delete(store: Store, key: str) -> None:
+    """Remove a file or a whole folder (no error when absent)."""
+    if not store.s3:
+        path = _path(store, key)
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+        return
+    files = [f"{key}/{f}".strip("/") for f in list_files(store, key)]
+    with _errors(store, "delete", _key(store, key)):
+        if key.strip("/"):  # a file at key itself (deleting a missing key is not an error)
+            store.client.delete_object(Bucket=store.bucket, Key=_key(store, key))
+        for start in range(0, len(files), 1000):
+            batch = [{"Key": _key(store, f)} for f in files[start:start + 1000]]
+            store.client.delete_objects(Bucket=store.bucket, Delete={"Objects": batch})
+
+
+# ------------------------------------------------------------------------- folders
+
+
+def folder_complete(store: Store, key: str) -> bool:
+    """True when the folder at key carries its COMPLETE marker."""
+    return exists(store, f"{key}/{COMPLETE}")
+
+
+def put_folder(store: Store, key: str, local: Path) -> None:
+    """Upload a complete local folder to key: the remote marker is removed first, the files
+    go up, files the folder no longer has are removed, and a new marker is written last."""
+    local = Path(local)
+    if not (local / COMPLETE).is_file():
+        raise IncompleteUpload(f"{local} has no {COMPLETE} marker: not uploading a torn folder")
+    delete(store, f"{key}/{COMPLETE}")
+    names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*")
+                   if p.is_file() and p != local / COMPLETE)  # nested markers go up as files
+    for name in names:
+        put_file(store, f"{key}/{name}", local / name)
+    for stale in set(list_files(store, key)) - set(names):
+        delete(store, f"{key}/{stale}")
+    write_bytes(store, f"{key}/{COMPLETE}", f"ok {uuid.uuid4().hex}\n".encode())
+
+
+def get_folder(store: Store, key: str, local: Path) -> Path:
+    """Download a complete folder into `local` (replaced atomically); IncompleteUpload when the
+    remote folder has no COMPLETE marker (a torn or running upload)."""
+    local = Path(local)
+    if not folder_complete(store, key):
+        raise IncompleteUpload(f"{redact(url(store, key), store)} has no {COMPLETE} marker "
+                               "(an interrupted or unfinished upload): not using it")
+    local.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{local.name}.tmp-", dir=local.parent))
+    try:
+        for name in list_files(store, key):
+            get_file(store, f"{key}/{name}", tmp / name)
+        if local.exists():
+            shutil.rmtree(local)
+        os.replace(tmp, local)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return local
+
+
+def marker_token(store: Store, key: str) -> str:
+    """Content of a folder's COMPLETE marker: changes with every upload (cache validation)."""
+    return read_bytes(store, f"{key}/{COMPLETE}").decode().strip()
+
+
+def cached_folder(store: Store, key: str, cache: Path) -> Path:
+    """A local copy of the complete folder at key: a local store's own folder, or for S3 a
+    download into `cache`, made once per upload (the COMPLETE marker's token names the copy).
+    IncompleteUpload when the folder is missing or torn."""
+    if not folder_complete(store, key):
+        raise IncompleteUpload(f"{redact(url(store, key), store)} has no {COMPLETE} marker "
+                               "(missing, interrupted or unfinished upload)")
+    if not store.s3:
+        return _path(store, key)
+    token = marker_token(store, key)
+    local = Path(cache) / re.sub(r"[^A-Za-z0-9._-]+", "_", url(store, key)[5:].strip("/"))
+    if (local / COMPLETE).is_file() and (local / COMPLETE).read_text().strip() == token:
+        return local
+    return get_folder(store, key, local)
+
+
+def fetch_folder(source: str | Path, cache: Path, endpoint_url: str = "") -> Path:
+    """A local copy of a folder: a local path is returned as it is; s3://... goes through
+    `cached_folder` (downloaded into `cache` once per upload; a torn upload is refused)."""
+    if not is_s3(source):
+        return Path(source)
+    parent, _, name = str(source).rstrip("/").rpartition("/")
+    return cached_folder(open_store(parent, endpoint_url), name, cache)
+
+
+# ------------------------------------------------------------------------- run directories
+
+
+def working_copy_path(run_dir: str, local_dir: str = "") -> Path:
+    """Local folder where an s3:// run is trained: local_dir, else
+    $WORKBENCH_CACHE/runs/<bucket>/<prefix>."""
+    if local_dir:
+        return Path(local_dir)
+    from workbench.model.tiny import cache_root
+
+    return cache_root() / "runs" / run_dir[5:].strip("/")
+
+
+def open_run_dir(run_dir: str, resume_mode: str, endpoint_url: str = "", local_dir: str = "",
+                 log: Callable[[str], None] = print) -> Path:
+    """The local folder a run writes. A local run_dir is returned as it is. For s3://, a working
+    copy: resume_mode=latest rebuilds it from S3 (the newest complete checkpoint first);
+    resume_mode=none also clears the S3 prefix, as a local run folder would be cleared."""
+    if not is_s3(run_dir):
+        return Path(run_dir)
+    store, local = open_store(run_dir, endpoint_url), working_copy_path(run_dir, local_dir)
+    if not store.prefix:
+        raise StorageError(f"run_dir={run_dir!r} is a whole bucket: use s3://bucket/prefix")
+    if local.exists():
+        shutil.rmtree(local)
+    local.mkdir(parents=True)
+    if resume_mode == "none":
+        delete(store, "")
+    elif resume_mode == "latest":
+        fetch_run(store, local, log)
+    log(f"run directory {store.root} (working copy {local})")
+    return local
+
+
+def fetch_run(store: Store, local: Path, log: Callable[[str], None] = print) -> Path | None:
+    """Download what resuming needs: the newest complete checkpoint, then config, manifest,
+    metrics, the latest marker and eval results. Returns the checkpoint's local folder."""
+    newest = None
+    names = [n for n in list_dir(store, "checkpoints") if n.startswith("global_step_")]
+    for name in sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]), reverse=True):
+        if folder_complete(store, f"checkpoints/{name}"):
+            newest = get_folder(store, f"checkpoints/{name}", local / "checkpoints" / name)
+            log(f"downloaded checkpoint {name} from {store.root}")
+            break
+        log(f"skipping incomplete checkpoint {name} on {store.root}")
+    wanted = [n for n in ("config.json", "manifest.json", "metrics.jsonl", LATEST)
+              if n in list_dir(store)] + [f"eval/{n}" for n in list_dir(store, "eval")]
+    for name in wanted:
+        get_file(store, name, local / name)
+    _save_mirror_state(local, _local_state(local))  # all of it is on S3 already
+    return newest
+
+
+def _local_state(local: Path) -> dict[str, list[int]]:
+    state = {}
+    for path in local.rglob("*"):
+        rel = path.relative_to(local)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            stat = path.stat()
+            state[rel.as_posix()] = [stat.st_size, stat.st_mtime_ns]
+    return state
+
+
+def _save_mirror_state(local: Path, state: dict[str, list[int]]) -> None:
+    (local / MIRROR_STATE).write_text(json.dumps(state))
+
+
+def mirror_run(local: Path, run_dir: str, endpoint_url: str = "") -> list[str]:
+    """Upload what changed in a working copy since the last call; a no-op for a local run_dir.
+    Complete checkpoint and export folders go up whole (COMPLETE last), then other files, then
+    the latest-checkpoint marker. Returns the keys uploaded."""
+    if not is_s3(run_dir):
+        return []
+    store, local = open_store(run_dir, endpoint_url), Path(local)
+    done = json.loads((local / MIRROR_STATE).read_text()) if (local / MIRROR_STATE).exists() \
+        else {}
+    now, sent = _local_state(local), []
+    changed = {k for k, v in now.items() if done.get(k) != v}
+    folders = sorted({"/".join(k.split("/")[:2]) for k in changed
+                      if k.split("/")[0] in ("checkpoints", "exports") and k.count("/") >= 2})
+    for folder in folders:
+        if (local / folder / COMPLETE).is_file():
+            put_folder(store, folder, local / folder)
+            sent.append(folder)
+            done |= {k: now[k] for k in now if k.startswith(folder + "/")}
+    files = sorted(k for k in changed if k.split("/")[0] not in ("checkpoints", "exports"))
+    for key in sorted(files, key=lambda k: k == LATEST):  # the marker last
+        put_file(store, key, local / key)
+        sent.append(key)
+        done[key] = now[key]
+    _save_mirror_state(local, done)
+    return sent

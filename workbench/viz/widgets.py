@@ -1,0 +1,228 @@
+"""ipywidgets viewers of episodes and run folders: a trajectory player, a group view, a step
+inspector. They read records (Episodes, episode summaries, a run directory), never a trainer.
+
+    trajectory_player(episode)                 # play / slider over turns: image, reply, action
+    group_view(ro.episodes_P_G[0], adv_P_G[0]) # the G episodes of one maze side by side
+    step_inspector("runs/grpo")                # pick a step: its metrics, episodes, replay
+
+Each returns a small dataclass holding the widget (displayed by a notebook cell) and its parts,
+so a test can move a slider and read what is shown without a browser (ipywidgets 8).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from workbench._deps import require
+from workbench.viz.episodes import EpisodeLike, as_record, frame_png, turn_rows
+
+
+class _Displayed:
+    """Displays as its `widget`."""
+
+    widget: Any
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        return self.widget._repr_mimebundle_(**kwargs)
+
+
+def turn_html(row: dict[str, Any]) -> str:
+    """One turn as HTML: turn, position, raw reply, parsed action, feedback, reward."""
+    moved = "" if row["moved"] else " (no move)"
+    return (f"<b>turn {row['turn']} of {row['turns']}</b> at {row['position']}<br>"
+            f"reply: <code>{html.escape(repr(row['reply']), quote=False)}</code><br>"
+            f"action: {row['action']}{moved}<br>feedback: {html.escape(row['feedback'])}<br>"
+            f"reward: {row['reward']:.3g}")
+
+
+@dataclass
+class Player(_Displayed):
+    """A trajectory player: Play button and slider over turns, the image, the turn's text."""
+
+    widget: Any
+    slider: Any
+    play: Any
+    image: Any
+    text: Any
+    rows: list[dict[str, Any]]
+
+
+def _frames(episode: dict[str, Any], px_per_cell: int) -> Callable[[int], bytes]:
+    cache: dict[int, bytes] = {}
+
+    def frame(turn: int) -> bytes:
+        if turn not in cache:
+            cache[turn] = frame_png(episode, turn, px_per_cell)
+        return cache[turn]
+    return frame
+
+
+def trajectory_player(episode: EpisodeLike, px_per_cell: int = 32, width: int = 224) -> Player:
+    """Step through one episode: the image the model saw, its raw reply, the parsed action, the
+    environment's feedback and the reward, turn by turn."""
+    w = require("ipywidgets")
+    rec = as_record(episode)
+    rows, frame = turn_rows(rec), _frames(rec, px_per_cell)
+    slider = w.IntSlider(value=1, min=1, max=len(rows), description="turn")
+    play = w.Play(value=1, min=1, max=len(rows), interval=800, description="play")
+    w.link((play, "value"), (slider, "value"))
+    image = w.Image(value=frame(1), format="png", width=width)
+    text = w.HTML(turn_html(rows[0]))
+
+    def show(change: dict[str, Any]) -> None:
+        image.value = frame(change["new"])
+        text.value = turn_html(rows[change["new"] - 1])
+    slider.observe(show, names="value")
+    box = w.VBox([w.HBox([play, slider]), w.HBox([image, text])])
+    return Player(box, slider, play, image, text, rows)
+
+
+@dataclass
+class GroupView(_Displayed):
+    """G episodes of one maze side by side, one turn slider for all."""
+
+    widget: Any
+    slider: Any
+    images: list[Any]
+    texts: list[Any]
+    headers: list[Any]
+
+
+def _column_html(rows: list[dict[str, Any]], turn: int) -> str:
+    if turn > len(rows):
+        return f"<i>ended after {len(rows)} turns</i>"
+    return turn_html(rows[turn - 1])
+
+
+def group_view(episodes_G: list[EpisodeLike], advantages_G: Any = None, px_per_cell: int = 32,
+               width: int = 150) -> GroupView:
+    """The G episodes of one maze in columns (header: reward, advantage, outcome) with a shared
+    turn slider; an episode that ended earlier shows its last position."""
+    w = require("ipywidgets")
+    recs = [as_record(ep) for ep in episodes_G]
+    rows_G = [turn_rows(r) for r in recs]
+    frames = [_frames(r, px_per_cell) for r in recs]
+    adv_G = np.zeros(len(recs)) if advantages_G is None else np.asarray(advantages_G, float)
+    slider = w.IntSlider(value=1, min=1, max=max(len(r) for r in rows_G), description="turn")
+    headers = [w.HTML(f"<b>sample {g}</b>: {'solved' if r['success'] else 'failed'}<br>"
+                      f"reward {r['reward']:.3g}, advantage {a:+.3g}")
+               for g, (r, a) in enumerate(zip(recs, adv_G))]
+    images = [w.Image(value=f(1), format="png", width=width) for f in frames]
+    texts = [w.HTML(_column_html(rows, 1), layout=w.Layout(width=f"{width + 20}px"))
+             for rows in rows_G]
+
+    def show(change: dict[str, Any]) -> None:
+        for g, rows in enumerate(rows_G):
+            images[g].value = frames[g](min(change["new"], len(rows) + 1))
+            texts[g].value = _column_html(rows, change["new"])
+    slider.observe(show, names="value")
+    columns = [w.VBox([h, i, t]) for h, i, t in zip(headers, images, texts)]
+    return GroupView(w.VBox([slider, w.HBox(columns)]), slider, images, texts, headers)
+
+
+def step_metrics(run_dir: str | Path, step: int) -> dict[str, Any]:
+    """Every metrics.jsonl value logged for `step` (the training row and its evaluation)."""
+    from workbench.run import read_metrics
+
+    merged: dict[str, Any] = {}
+    for row in read_metrics(run_dir):
+        if row["step"] == step:
+            merged |= row
+    return merged
+
+
+def recorded_steps(run_dir: str | Path) -> list[int]:
+    """Steps that have a step record (steps/step_NNNNNN/episodes.json)."""
+    folders = Path(run_dir).glob("steps/step_*/episodes.json")
+    return sorted(int(f.parent.name.removeprefix("step_")) for f in folders)
+
+
+def _metrics_html(values: dict[str, Any]) -> str:
+    cells = "".join(f"<tr><td>{k}</td><td>{v:.4g}</td></tr>" if isinstance(v, float)
+                    else f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in values.items())
+    return f"<table>{cells}</table>"
+
+
+def replay_html(result: Any) -> str:
+    """A ReplayResult as a table: each update metric logged vs replayed, and the verdict."""
+    cells = "".join(f"<tr><td>{k}</td><td>{result.logged[k]!r}</td>"
+                    f"<td>{result.replayed[k]!r}</td></tr>" for k in result.logged)
+    verdict = "exact" if result.exact else "DIFFERENT"
+    return (f"<b>step {result.step} replayed from checkpoint {result.from_checkpoint}: "
+            f"{verdict}</b><table><tr><th>metric</th><th>logged</th><th>replayed</th></tr>"
+            f"{cells}</table>")
+
+
+@dataclass
+class StepInspector(_Displayed):
+    """Pick a recorded step of a run: its metrics, the episodes of one of its groups, replay."""
+
+    widget: Any
+    step: Any  # Dropdown of recorded steps
+    group: Any  # IntSlider over the step's mazes
+    metrics: Any  # HTML table of the step's metrics
+    episodes: Any  # VBox holding the current GroupView's widget
+    replay_button: Any
+    replay_text: Any
+    run_dir: Path
+    view: GroupView | None = field(default=None)
+
+
+def _px_per_cell(run_dir: Path) -> int:
+    config = json.loads((run_dir / "config.json").read_text())
+    return int(config["env"]["px_per_cell"])
+
+
+def step_inspector(run_dir: str | Path, replay_fn: Callable[..., Any] | None = None,
+                   width: int = 130) -> StepInspector:
+    """A viewer over a run folder (finished or still running): pick a step to see its metrics
+    and each group's episodes with their advantages; the button replays the step's update
+    (`workbench.rl.replay.replay`) and shows logged vs replayed values."""
+    w = require("ipywidgets")
+    run_dir = Path(run_dir)
+    steps = recorded_steps(run_dir)
+    if not steps:
+        raise FileNotFoundError(f"{run_dir} has no step records (trainer.keep_step_records)")
+    px = _px_per_cell(run_dir)
+    insp = StepInspector(None, w.Dropdown(options=steps, value=steps[-1], description="step"),
+                         w.IntSlider(value=0, min=0, max=0, description="maze"), w.HTML(),
+                         w.VBox(), w.Button(description="replay this step"), w.HTML(), run_dir)
+
+    def show_group(_: Any = None) -> None:
+        from workbench.run import load_step_record
+
+        record = load_step_record(run_dir / "steps" / f"step_{insp.step.value:06d}")
+        p = min(insp.group.value, len(record["episodes_P_G"]) - 1)
+        insp.view = group_view(record["episodes_P_G"][p], record["advantages_P_G"][p], px, width)
+        insp.episodes.children = (insp.view.widget,)
+
+    def show_step(_: Any = None) -> None:
+        from workbench.run import load_step_record
+
+        record = load_step_record(run_dir / "steps" / f"step_{insp.step.value:06d}")
+        insp.group.max = len(record["episodes_P_G"]) - 1
+        insp.metrics.value = _metrics_html(step_metrics(run_dir, insp.step.value))
+        insp.replay_text.value = ""
+        show_group()
+
+    def replay(_: Any) -> None:
+        fn = replay_fn
+        if fn is None:
+            from workbench.rl.replay import replay as fn
+        insp.replay_text.value = f"replaying step {insp.step.value} ..."
+        insp.replay_text.value = replay_html(fn(run_dir, insp.step.value))
+
+    insp.step.observe(show_step, names="value")
+    insp.group.observe(show_group, names="value")
+    insp.replay_button.on_click(replay)
+    show_step()
+    insp.widget = w.VBox([w.HBox([insp.step, insp.group, insp.replay_button]),
+                          w.HBox([insp.metrics, insp.episodes]), insp.replay_text])
+    return insp
