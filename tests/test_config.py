@@ -256,3 +256,9 @@ def test_cli_unknown_key_exits_2_with_a_hint() -> None:
     assert "did you mean" in out.stderr
     assert "generator.max_turns" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_skyrl_spelling_of_colocate_all_sets_the_flat_key() -> None:
+    config = apply_overrides(PRESETS["tiny"], ["trainer.placement.colocate_all=false"])
+    assert config.trainer.colocate_all is False
+    assert apply_overrides(config, ["trainer.colocate_all=true"]).trainer.colocate_all is True

@@ -270,12 +270,17 @@ def _field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
+ALIASES = {"trainer.placement.colocate_all": "trainer.colocate_all"}
+"""SkyRL's spellings of keys that are flatter here."""
+
+
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
     """Return config with each `section.key=value` applied; validates keys and values."""
     keys = flat_keys(config)
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip().removeprefix("--")
+        key = ALIASES.get(key, key)
         if not sep:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         if key not in keys:
