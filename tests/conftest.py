@@ -144,3 +144,14 @@ def lora_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> d
         (root / name / "eval" / f"step_{step:06d}.json").write_text(
             json.dumps({"step": step, "results": [result]}))
     return out
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: Path):
+    """A storage root, once as a local folder and once under a nested prefix on moto's S3."""
+    from workbench import storage
+
+    if request.param == "local":
+        return storage.open_store(tmp_path / "store")
+    bucket = request.getfixturevalue("s3_bucket")
+    return storage.open_store(f"{bucket}/some/prefix", request.getfixturevalue("s3_server"))

@@ -20,14 +20,6 @@ from workbench.cli import main
 from workbench.model import load_model, weights_hash
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> storage.Store:
-    if request.param == "local":
-        return storage.open_store(tmp_path / "store")
-    bucket = request.getfixturevalue("s3_bucket")
-    return storage.open_store(f"{bucket}/wb", request.getfixturevalue("s3_server"))
-
-
 def test_publish_list_promote_rollback(store: storage.Store,
                                        lora_adapters: dict[str, Path]) -> None:
     for name in ("a0", "a1", "a2"):

@@ -34,14 +34,6 @@ def _folder(tmp_path: Path) -> Path:
     return src
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> storage.Store:
-    if request.param == "local":
-        return storage.open_store(tmp_path / "store")
-    bucket = request.getfixturevalue("s3_bucket")
-    return storage.open_store(f"{bucket}/some/prefix", request.getfixturevalue("s3_server"))
-
-
 def test_folder_round_trip(store: storage.Store, tmp_path: Path) -> None:
     src = _folder(tmp_path)
     storage.put_folder(store, "runs/x/ckpt", src)
