@@ -6,6 +6,8 @@
 - serving: the OpenAI endpoint on Ray Serve, requests/s and median latency, with and without
   adapter switching (alone: `python -c "import sys; sys.path.insert(0, 'benchmarks');
   import bench; bench.print_serving()"`).
+- ray: a GRPO step of the demo shape in-process vs on a local Ray instance (the same steps,
+  alternated), and rollout throughput with 1 vs 2 sampler engines (alone: `... bench.print_ray()`).
 """
 
 from __future__ import annotations
@@ -229,6 +231,84 @@ def print_serving() -> None:
               f"{1000 * r['median_latency_s']:5.0f} ms")
 
 
+def _demo_step(tc, config, step: int) -> float:
+    """One GRPO step of the demo shape through a session's clients (sync, rollout, update with
+    +-1 advantages by episode parity: the untrained tiny model earns no reward) -> seconds."""
+    from workbench.rl import phases
+    from workbench.rl.train import step_mazes
+    from workbench.session import AdamParams, LossConfig, datum_from_stream
+
+    t0 = time.perf_counter()
+    sampler = tc.save_weights_and_get_sampling_client()
+    ro = phases.rollout(sampler, config.maze, step_mazes(config, step), 8,
+                        SamplingParams(max_tokens=2, temperature=1.0), seed=step)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
+    phases.update(tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
+                  AdamParams(learning_rate=1e-4))
+    return time.perf_counter() - t0
+
+
+def bench_ray(steps: int = 4, threads: int = 2) -> dict[str, float]:
+    """Median seconds per GRPO step of the demo shape (8 mazes x 8 samples, 7x7, 15 turns, LoRA
+    32), in-process and on a local Ray instance (1 trainer + 1 engine colocated, `threads` torch
+    threads each, as in-process), the same steps alternated after one warm-up step each; then
+    the rollout of one step (64 episodes) on 1 engine x `threads` threads vs 2 engines x 1."""
+    import os
+    import tempfile
+
+    from workbench.cluster import connect, create_ray_session, disconnect
+    from workbench.config import PRESETS
+    from workbench.rl import phases
+    from workbench.rl.train import step_mazes
+    from workbench.session import create_session
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only instance; no token file
+    config, tmp = PRESETS["tiny"], Path(tempfile.mkdtemp(prefix="workbench-bench-ray-"))
+    torch.set_num_threads(threads)
+    connect("local", num_cpus=2, temp_dir=tmp / "ray", log=lambda *_: None)
+    try:
+        local = create_session("tiny", workdir=tmp / "inprocess")
+        ray_s = create_ray_session("tiny", workdir=tmp / "ray-session", colocate_all=True,
+                                   threads_per_actor=threads)
+        times = {"in-process": [], "ray": []}
+        for step in range(steps + 1):
+            for name, session in (("in-process", local), ("ray", ray_s)):
+                seconds = _demo_step(session.training_client, config, step + 1)
+                if step:  # step 0 warms up
+                    times[name].append(seconds)
+        local.close()
+        ray_s.close()
+        out = {f"step_s/{k}": statistics.median(v) for k, v in times.items()}
+        states, params = step_mazes(config, 1), SamplingParams(max_tokens=2, temperature=1.0)
+        for engines, per_engine in ((1, threads), (2, 1)):
+            s = create_ray_session("tiny", workdir=tmp / f"e{engines}", num_engines=engines,
+                                   colocate_all=False, threads_per_actor=per_engine)
+            sampler = s.training_client.save_weights_and_get_sampling_client()
+            phases.rollout(sampler, config.maze, states, 8, params, seed=0)  # warm-up
+            ros = [phases.rollout(sampler, config.maze, states, 8, params, seed=r + 1)
+                   for r in range(3)]
+            s.close()
+            seconds = statistics.median(ro.seconds for ro in ros)
+            turns = statistics.median(sum(ep.turns for ep in ro.flat) for ro in ros)
+            out[f"rollout_episodes_per_s/{engines}"] = 64 / seconds
+            out[f"rollout_turns_per_s/{engines}"] = turns / seconds
+    finally:
+        disconnect()
+    return out
+
+
+def print_ray() -> None:
+    """Run bench_ray and print its figures."""
+    r = bench_ray()
+    local, ray_s = r["step_s/in-process"], r["step_s/ray"]
+    print("GRPO step, demo shape (8 mazes x 8 samples, 7x7, 15 turns, LoRA 32, 2 threads), "
+          f"median of 4 alternated: in-process {local:.2f} s, local Ray {ray_s:.2f} s "
+          f"(overhead {100 * (ray_s / local - 1):+.1f}%)")
+    for engines, label in ((1, "1 engine x 2 threads"), (2, "2 engines x 1 thread")):
+        print(f"  rollout of 64 episodes, {label}: {r[f'rollout_episodes_per_s/{engines}']:.1f} "
+              f"episodes/s, {r[f'rollout_turns_per_s/{engines}']:.0f} turns/s")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     print(f"env: {bench_env():,.0f} steps/s (7x7, 32 px, render every step, 1 thread)")
@@ -248,6 +328,7 @@ def main() -> None:
     print(f"  sampled {g['sampled_tokens_s']:,.0f} reply tokens/s, update "
           f"{g['update_tokens_s']:,.0f} tokens/s, peak RSS {g['peak_rss_gb']:.2f} GB")
     print_serving()
+    print_ray()
 
 
 if __name__ == "__main__":

@@ -16,12 +16,14 @@ import itertools
 import os
 import signal
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
 from workbench.cluster import connect, create_ray_session, disconnect
+from workbench.cluster.metrics import gauge_name
 from workbench.cluster.placement import actor_bundles
 from workbench.cluster.ray_session import chunk_seed
 from workbench.config import PRESETS, apply_overrides
@@ -94,21 +96,61 @@ def test_local_instance_binds_to_loopback(local_ray) -> None:
     assert gcs and all(c.laddr.ip in ("127.0.0.1", "::ffff:127.0.0.1") for c in gcs), gcs
 
 
-def test_ray_run_matches_inprocess_and_uses_separate_bundles(
-        local_ray, inprocess_run: Path, sft_model: str, small_run: list[str],
-        tmp_path: Path) -> None:
-    trainer = train(_config(small_run, sft_model, tmp_path / "ray", ON_RAY), log=lambda *_: None)
+@pytest.fixture(scope="module")
+def ray_run(local_ray, inprocess_run: Path, sft_model: str, small_run: list[str],
+            tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The same 3-step run on Ray actors (separate bundles): its folder and its layout."""
+    run_dir = tmp_path_factory.mktemp("ray") / "ray-metrics-run"
+    trainer = train(_config(small_run, sft_model, run_dir, ON_RAY), log=lambda *_: None)
     try:
         session = trainer.session
-        assert session.describe()["backend"]["kind"] == "ray"
-        assert session.plan.bundles == [{"CPU": 0.5}, {"CPU": 0.5}]
-        bundles = actor_bundles(session.placement_group)
-        assert bundles == {session.actor_names[0]: 0, session.actor_names[1]: 1}, bundles
+        return {"run_dir": run_dir, "backend": session.describe()["backend"],
+                "bundles": session.plan.bundles, "names": session.actor_names,
+                "placed": actor_bundles(session.placement_group)}
     finally:
         trainer.session.close()
-    ray_rows, ref_rows = read_metrics(tmp_path / "ray"), read_metrics(inprocess_run)
+
+
+def test_ray_run_matches_inprocess_and_uses_separate_bundles(ray_run: dict,
+                                                             inprocess_run: Path) -> None:
+    assert ray_run["backend"]["kind"] == "ray"
+    assert ray_run["bundles"] == [{"CPU": 0.5}, {"CPU": 0.5}]
+    names = ray_run["names"]
+    assert ray_run["placed"] == {names[0]: 0, names[1]: 1}, ray_run["placed"]
+    ray_rows, ref_rows = read_metrics(ray_run["run_dir"]), read_metrics(inprocess_run)
     assert sum(r.get("update/datums", 0) for r in ref_rows) > 0, "no update to compare"
     assert _comparable(ray_rows) == _comparable(ref_rows)
+
+
+def _prometheus_values(port: int, names: list[str], run: str) -> dict[str, float]:
+    """The node's metrics endpoint (Prometheus text): value of each `ray_<name>{run=...}`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()
+    out = {}
+    for line in text.decode().splitlines():
+        metric, _, rest = line.partition("{")
+        if metric in names and f'run="{run}"' in rest:
+            out[metric] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_step_metrics_reach_rays_metrics_endpoint(local_ray, ray_run: dict) -> None:
+    import ray
+
+    rows = read_metrics(ray_run["run_dir"])
+    last_step = [r for r in rows if "reward/mean" in r][-1]
+    last_eval = [r for r in rows if "eval/n_mazes" in r][-1]
+    want = {"ray_" + gauge_name(k): float(v) for k, v in (
+        ("reward/mean", last_step["reward/mean"]), ("update/datums", last_step["update/datums"]),
+        ("rollout/success_rate", last_step["rollout/success_rate"]),
+        ("eval/greedy_solved", last_eval["eval/greedy_solved"]))}
+    rollout_time = "ray_" + gauge_name("time/rollout")
+    names, port = [*want, rollout_time], ray.nodes()[0]["MetricsExportPort"]
+    deadline, seen = time.monotonic() + 120, {}
+    while seen.keys() != set(names) and time.monotonic() < deadline:
+        time.sleep(0.5)  # Ray exports every few seconds: waiting for that event
+        seen = _prometheus_values(port, names, "ray-metrics-run")
+    assert seen.pop(rollout_time, 0.0) > 0.0, seen
+    assert seen == want
 
 
 def _wait_until_dead(name: str) -> None:
@@ -241,3 +283,17 @@ def test_two_workers_make_the_same_update_as_one(dp_session, ref_session, rollou
     assert moved, "the update moved no LoRA B matrix"
     worst = max(float((rank0[1][k] - one[k]).abs().max()) for k in one)
     assert worst < 1e-5, worst
+
+
+
+def test_threads_per_actor_sets_torch_threads_in_trainers_and_engines(local_ray, tiny_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    import ray
+
+    session = create_ray_session(str(tiny_dir), LORA, tmp_path, num_workers=1, num_engines=1,
+                                 colocate_all=True, threads_per_actor=2)
+    try:
+        actors = session.trainers + session.engines
+        assert ray.get([a.threads.remote() for a in actors]) == [2, 2]  # Ray's default: 1
+    finally:
+        session.close()

@@ -1,6 +1,9 @@
 """A real Ray head node (`ray start --head --block` on 127.0.0.1, its own temp dir, token auth
 ON with a test token): training steps through a Ray Client connection, and runs submitted as
 Ray Jobs (submit -> logs -> SUCCEEDED; a long job stopped -> STOPPED), all through the CLI.
+Faults: a SIGKILLed driver resumes on the cluster (trainer.resume_mode=latest) and ends as the
+uninterrupted run; a head torn down under a running driver gives one clear error (rc 3) and
+leaves a complete checkpoint that resumes.
 
 Every client runs in a subprocess of its own (Ray allows one connection per process, and this
 process may hold the local instance of test_ray_local.py). The clients get only RAY_AUTH_TOKEN:
@@ -13,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import secrets
 import signal
 import socket
@@ -50,9 +54,8 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
-    """`ray start --head` on loopback with 2 CPUs and token auth; stopped at module end."""
+def _start_head(temp_dir: Path) -> tuple[subprocess.Popen, Head]:
+    """`ray start --head --block` on loopback with 2 CPUs and token auth (the process, the head)."""
     gcs, client, dashboard = _free_port(), _free_port(), _free_port()
     token = secrets.token_hex(16)
     bin_dir = str(Path(sys.executable).parent)  # the job's `python` is this venv's
@@ -65,7 +68,7 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
            "--node-ip-address=127.0.0.1", f"--port={gcs}", f"--ray-client-server-port={client}",
            "--include-dashboard=true", "--dashboard-host=127.0.0.1",
            f"--dashboard-port={dashboard}", "--num-cpus=2", "--disable-usage-stats",
-           f"--temp-dir={tmp_path_factory.mktemp('head')}"]
+           f"--temp-dir={temp_dir}"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     output = []
@@ -75,12 +78,24 @@ def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
             break
     assert proc.poll() is None, "".join(output)
     threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()
+    return proc, Head(f"ray://127.0.0.1:{client}", f"http://127.0.0.1:{dashboard}",
+                      base | {"RAY_AUTH_TOKEN": token})
+
+
+def _stop_head(proc: subprocess.Popen) -> None:
+    """Signal the one process that started the head: `ray start --block` tears its node down."""
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=120)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
+    """A head node for the module's tests; stopped at module end."""
+    proc, head = _start_head(tmp_path_factory.mktemp("head"))
     try:
-        yield Head(f"ray://127.0.0.1:{client}", f"http://127.0.0.1:{dashboard}",
-                   base | {"RAY_AUTH_TOKEN": token})
+        yield head
     finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=120)
+        _stop_head(proc)
 
 
 def _cli(args: list[str], env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -144,3 +159,74 @@ def test_a_long_job_can_be_stopped(head: Head, sft_model: str, small_run: list[s
         status = _cli(["status", job_id, "--address", head.dashboard],
                       head.client_env).stdout.strip()
     assert status == "STOPPED"
+
+
+def _wait_for_checkpoint(run_dir: Path, step: int, driver: subprocess.Popen) -> None:
+    """Until checkpoint `step` is complete (an event), or the driver ended without it."""
+    done = run_dir / "checkpoints" / f"global_step_{step}" / "COMPLETE"
+    deadline = time.monotonic() + 300
+    while not done.exists() and driver.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert done.exists(), f"no checkpoint {step} (driver rc {driver.poll()})"
+
+
+def _steps(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("time/")}
+            for r in read_metrics(run_dir)]
+
+
+def test_a_killed_driver_resumes_on_the_cluster_with_resume_mode_latest(
+        head: Head, sft_model: str, small_run: list[str], tmp_path: Path) -> None:
+    """SIGKILL the driver of a Ray Client run after its first checkpoint; re-running the same
+    command with trainer.resume_mode=latest ends with exactly the uninterrupted run's metrics."""
+    run_dir, reference = tmp_path / "driver", tmp_path / "reference"
+    args = ["train", *_overrides(small_run, sft_model, run_dir), "trainer.total_steps=3",
+            f"cluster.address={head.client_address}"]
+    env = head.client_env | {"RAY_CLIENT_RECONNECT_GRACE_PERIOD": "5"}  # frees its actors soon
+    driver = subprocess.Popen([sys.executable, "-m", "workbench", *args], env=env, cwd="/",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_checkpoint(run_dir, 1, driver)
+    driver.kill()
+    driver.wait()
+    resumed = _cli([*args, "trainer.resume_mode=latest"], env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout, resumed.stdout
+    uninterrupted = _cli(["train", *_overrides(small_run, sft_model, reference),
+                          "trainer.total_steps=3", "cluster.address="], env)
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert [r["step"] for r in _steps(run_dir) if "reward/mean" in r] == [1, 2, 3]
+    assert _steps(run_dir) == _steps(reference)
+
+
+def test_a_vanished_cluster_gives_a_clear_error_and_keeps_the_checkpoints(
+        sft_model: str, small_run: list[str], tmp_path: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Tear a head node down under a running Ray Client driver: it exits with rc 3 and one
+    message naming the cluster, the newest complete checkpoint and the command that goes on;
+    that checkpoint resumes (in-process)."""
+    proc, lost = _start_head(tmp_path_factory.mktemp("lost"))  # short: Ray's socket paths
+    run_dir = tmp_path / "run"
+    args = ["train", *_overrides(small_run, sft_model, run_dir), "trainer.total_steps=100000",
+            f"cluster.address={lost.client_address}"]
+    env = lost.client_env | {"RAY_CLIENT_RECONNECT_GRACE_PERIOD": "3"}  # gives up after 3 s
+    driver = subprocess.Popen([sys.executable, "-m", "workbench", *args], env=env, cwd="/",
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for_checkpoint(run_dir, 1, driver)
+    finally:
+        _stop_head(proc)
+    _, stderr = driver.communicate(timeout=300)
+    assert driver.returncode == 3, stderr[-3000:]
+    [line] = [x for x in stderr.splitlines() if x.startswith("connection error: lost the Ray")]
+    assert f"lost the Ray cluster at {lost.client_address} after step" in line, line
+    assert "trainer.resume_mode=latest" in line, line
+    kept_path, kept_step = re.search(r"newest complete checkpoint: (\S+) \(step (\d+)\)",
+                                     line).groups()
+    kept, step = Path(kept_path), int(kept_step)
+    assert step >= 1 and (kept / "COMPLETE").exists(), line
+    goes_on = _cli([*args[:-2], f"trainer.total_steps={step + 1}", "trainer.resume_mode=latest",
+                    "cluster.address="], env)
+    assert goes_on.returncode == 0, goes_on.stderr[-3000:]
+    assert f"resumed from {kept} at step {step}" in goes_on.stdout, goes_on.stdout
+    assert [r["step"] for r in read_metrics(run_dir) if "reward/mean" in r] == list(
+        range(1, step + 2))

@@ -82,6 +82,9 @@ class GeneratorConfig:
     """Reply length cap in tokens."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
+    engine: str = "transformers"
+    """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
+    the vllm package; prefix caching, LoRA adapters loaded by version). SkyRL: generator.backend."""
     num_engines: int = 1
     """M: sampler actors on a Ray cluster; a rollout's mazes are spread over them (SkyRL:
     generator.num_inference_engines). Ignored in-process."""
@@ -185,6 +188,10 @@ class ClusterConfig:
     """GPUs a local Ray instance may use (0 = Ray detects them)."""
     cpus_per_actor: float = 0.5
     """CPU share reserved for each trainer worker and each sampler engine."""
+    threads_per_actor: int = 0
+    """torch CPU threads in each actor (0 = Ray's default: its CPU share, at least 1). Trainer
+    and engines of a synchronous loop take turns, so colocated actors may each use the whole
+    bundle's cores."""
     dashboard: bool = False
     """Start Ray's dashboard with a local instance (bound to 127.0.0.1)."""
     temp_dir: str = ""
@@ -236,6 +243,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.advantage": ("grpo", "dr_grpo", "rloo"),
     "trainer.resume_mode": ("latest", "none", "from_path"),
     "trainer.strategy": ("ddp", "fsdp"),
+    "generator.engine": ("transformers", "vllm"),
 }
 
 
@@ -270,7 +278,8 @@ def _field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
-ALIASES = {"trainer.placement.colocate_all": "trainer.colocate_all"}
+ALIASES = {"trainer.placement.colocate_all": "trainer.colocate_all",
+           "generator.backend": "generator.engine"}
 """SkyRL's spellings of keys that are flatter here."""
 
 
@@ -339,6 +348,8 @@ def _validate_cluster(config: RunConfig) -> None:
                           "\"auto\" or an address such as ray://127.0.0.1:10001")
     if config.cluster.cpus_per_actor <= 0:
         raise ConfigError("cluster.cpus_per_actor must be > 0")
+    if config.cluster.threads_per_actor < 0:
+        raise ConfigError("cluster.threads_per_actor must be >= 0 (0 = Ray's default)")
     if config.trainer.strategy == "fsdp" and config.model.device == "cpu":
         raise ConfigError("trainer.strategy=fsdp needs model.device=cuda (use ddp on CPU)")
 

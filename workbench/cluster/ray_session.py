@@ -246,6 +246,10 @@ class RaySession:
         """Model source, base hash, LoRA settings, and the Ray layout (for manifests)."""
         return dict(self._info)
 
+    def report_metrics(self, row: dict[str, Any], run: str) -> Future:
+        """A metrics row to Ray's metrics, from trainer worker 0 (see cluster/metrics.py)."""
+        return self.trainers[0].report_metrics.remote(row, run).future()
+
     def close(self) -> None:
         """Kill the actors and free their bundles (safe to call twice, or after a failure)."""
         release(self.trainers + self.engines, self.placement_group)
@@ -264,8 +268,11 @@ def create_ray_session(
     device: str = "cpu",
     gpu_memory_utilization: float = 0.5,
     cpus_per_actor: float = 0.5,
+    engine: str = "transformers",
+    threads_per_actor: int = 0,
 ) -> RaySession:
-    """Start N trainer workers and M sampler engines on the connected Ray cluster."""
+    """Start N trainer workers and M sampler engines on the connected Ray cluster
+    (threads_per_actor: torch threads in each; 0 = Ray's default, its CPU share, at least 1)."""
     ray = require("ray")
     if not ray.is_initialized():
         raise RuntimeError("not connected to Ray: call workbench.cluster.connect(...) first")
@@ -281,11 +288,13 @@ def create_ray_session(
     trainer_cls = ray.remote(max_concurrency=1, max_restarts=0)(TrainerWorker)
     engine_cls = ray.remote(max_concurrency=1, max_restarts=0)(SamplerEngine)
     trainers = [trainer_cls.options(name=names[r], **actor_options(plan, pg, "trainer", r))
-                .remote(model, lora, str(workdir), dtype, device, r, num_workers, strategy)
+                .remote(model, lora, str(workdir), dtype, device, r, num_workers, strategy,
+                        threads_per_actor)
                 for r in range(num_workers)]
     engines = [engine_cls.options(name=names[num_workers + k],
                                   **actor_options(plan, pg, "engine", k))
-               .remote(model, lora, str(workdir), dtype, device, gpu_memory_utilization)
+               .remote(model, lora, str(workdir), dtype, device, gpu_memory_utilization, engine,
+                       threads_per_actor)
                for k in range(num_engines)]
     try:
         if num_workers > 1:

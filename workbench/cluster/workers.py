@@ -6,7 +6,8 @@ host; with N > 1 workers they form a torch.distributed group (gloo on CPU, NCCL 
 rendezvous is a TCPStore that rank 0 opens on a free port of its node.
 
 SamplerEngine: its own copy of the base model (+ LoRA), the sampler weight versions it has been
-sent, and the environment loop (`play_model`) beside it.
+sent, the sampler engine that draws the tokens (generator.engine: transformers, or vLLM loading
+each version's adapter), and the environment loop (`play_model`) beside it.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ from typing import Any
 
 import torch
 
+from workbench.cluster.metrics import GaugeSet
 from workbench.cluster.parallel import all_reduce_grads, empty_output, shard_frozen_base
 from workbench.envs import InitState, MazeConfig
 from workbench.model import LoraSettings
 from workbench.policy import SamplingParams, Stream
+from workbench.policy.engine import EngineSettings
 from workbench.session.inprocess import (
     ModelHost,
     _compute_logprobs,
@@ -42,14 +45,23 @@ from workbench.session.types import AdamParams, Datum, ForwardBackwardOutput, Op
 GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer than this fails
 
 
+def set_threads(threads: int) -> None:
+    """torch's CPU threads in this actor (0: keep Ray's OMP_NUM_THREADS, its CPU share >= 1)."""
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
 class TrainerWorker:
     """Rank `rank` of `world_size` data-parallel trainers."""
 
     def __init__(self, model: str, lora: LoraSettings | None, workdir: str, dtype: torch.dtype,
-                 device: str, rank: int, world_size: int, strategy: str) -> None:
+                 device: str, rank: int, world_size: int, strategy: str,
+                 threads: int = 0) -> None:
+        set_threads(threads)
         self.host = make_host(model, lora, Path(workdir), dtype, device)
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.store: Any = None
+        self.gauges = GaugeSet()
 
     def open_store(self, address: str = "") -> tuple[str, int]:
         """Rank 0: a TCPStore on a free port of this node (Ray's address for it unless given)
@@ -100,8 +112,16 @@ class TrainerWorker:
         """fn(host, *args): the checkpoint functions, describe_host, ..."""
         return fn(self.host, *args)
 
+    def report_metrics(self, row: dict[str, Any], run: str) -> int:
+        """A step's metrics row to Ray's metrics (gauges tagged with the run's name)."""
+        return self.gauges.record(row, run)
+
     def pid(self) -> int:
         return os.getpid()
+
+    def threads(self) -> int:
+        """torch's CPU threads in this actor."""
+        return torch.get_num_threads()
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -114,11 +134,14 @@ class SamplerEngine:
     """A sampler: base model (+ LoRA) and the weight versions the trainer sent it."""
 
     def __init__(self, model: str, lora: LoraSettings | None, workdir: str, dtype: torch.dtype,
-                 device: str, gpu_memory_utilization: float) -> None:
-        if device.startswith("cuda"):  # a GPU engine keeps to its share of the GPU
-            torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)
+                 device: str, gpu_memory_utilization: float, engine: str = "transformers",
+                 threads: int = 0) -> None:
+        set_threads(threads)
+        if device.startswith("cuda") and engine == "transformers":  # keep to its GPU share
+            torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)  # (vLLM does)
         self.host: ModelHost = make_host(model, lora, Path(workdir), dtype, device,
-                                         hash_weights=False)
+                                         hash_weights=False,
+                                         engine=EngineSettings(engine, gpu_memory_utilization))
 
     def install(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> int:
         """Load a trainer snapshot as sampler version `snapshot[0]`; returns it."""
@@ -142,3 +165,7 @@ class SamplerEngine:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def threads(self) -> int:
+        """torch's CPU threads in this actor."""
+        return torch.get_num_threads()

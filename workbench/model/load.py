@@ -41,7 +41,14 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Load model + processor from "tiny", a local folder, or a hub id; eval mode."""
+    """Load model + processor from "tiny", a local folder, or a hub id; eval mode. A name of
+    `workbench.model.presets.SHAPES` builds that shape with random weights on `device`."""
+    from workbench.model.presets import SHAPES, build_random
+
+    if name_or_path in SHAPES:
+        lm = build_random(name_or_path, dtype=dtype, device=device)
+        lm.model.set_attn_implementation(attn_implementation)
+        return lm
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from transformers.utils import logging as hf_logging
 

@@ -96,15 +96,21 @@ def token_logprobs(
     temperature: float,
     banned: tuple[int, ...],
     pad_id: int,
+    keep_B_T: list[list[bool]] | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-token log-probs of each stream's own tokens (position 0 gets 0) and entropies.
 
     Returns two lists of B tensors of length T_b; differentiable when grads are enabled.
+    `keep_B_T` (e.g. the loss mask) computes the lm_head only at the kept tokens; the others get
+    0 (log-prob and entropy). With a 151936-word vocabulary that is most of the memory of a
+    training step: the reply tokens are a few percent of an episode.
     """
     batch = make_batch(model, streams, pad_id, left=False)
     # Right padding + causal attention: real tokens never see the pads, so no mask is needed,
     # and SDPA takes its fused causal kernel (identical values on real tokens, ~25% faster).
     batch.attention_mask_BL = None
+    if keep_B_T is not None:
+        return _kept_logprobs(model, batch, keep_B_T, temperature, banned)
     logits_BLV = forward_logits(model, batch, use_cache=False).logits
     logp_BLV = masked_log_softmax(logits_BLV[:, :-1], temperature, banned)
     targets_BL = batch.input_ids_BL[:, 1:]
@@ -114,6 +120,35 @@ def token_logprobs(
     zero = picked_BL.new_zeros(len(streams), 1)
     picked_BL = torch.cat([zero, picked_BL], dim=1)
     entropy_BL = torch.cat([zero, entropy_BL], dim=1)
+    logps = [picked_BL[b, :n] for b, n in enumerate(batch.lengths_B)]
+    entropies = [entropy_BL[b, :n] for b, n in enumerate(batch.lengths_B)]
+    return logps, entropies
+
+
+def _kept_logprobs(model: Any, batch: Batch, keep_B_T: list[list[bool]], temperature: float,
+                   banned: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """token_logprobs with the lm_head applied only where keep_B_T is True (position 0 never)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden_BLD = base.model(
+        input_ids=batch.input_ids_BL, position_ids=batch.position_ids_3BL,
+        pixel_values=batch.pixel_values, image_grid_thw=batch.grid_thw_N3,
+        mm_token_type_ids=batch.mm_types_BL, use_cache=False,
+    ).last_hidden_state
+    B, L = batch.input_ids_BL.shape
+    keep_BL = torch.zeros(B, L, dtype=torch.bool)
+    for b, keep in enumerate(keep_B_T):
+        keep_BL[b, : len(keep)] = torch.tensor(keep, dtype=torch.bool)
+    keep_BL[:, 0] = False
+    b_N, t_N = keep_BL.nonzero(as_tuple=True)  # target token t is predicted at t - 1
+    b_N, t_N = b_N.to(hidden_BLD.device), t_N.to(hidden_BLD.device)
+    logits_NV = base.lm_head(hidden_BLD[b_N, t_N - 1])
+    logp_NV = masked_log_softmax(logits_NV, temperature, banned)
+    picked_N = logp_NV.gather(-1, batch.input_ids_BL[b_N, t_N].unsqueeze(-1)).squeeze(-1)
+    finite = torch.where(torch.isfinite(logp_NV), logp_NV, torch.zeros_like(logp_NV))
+    entropy_N = -(logp_NV.exp() * finite).sum(-1)
+    zeros_BL = torch.zeros(B, L, dtype=picked_N.dtype, device=picked_N.device)
+    picked_BL = zeros_BL.index_put((b_N, t_N), picked_N)
+    entropy_BL = zeros_BL.index_put((b_N, t_N), entropy_N)
     logps = [picked_BL[b, :n] for b, n in enumerate(batch.lengths_B)]
     entropies = [entropy_BL[b, :n] for b, n in enumerate(batch.lengths_B)]
     return logps, entropies

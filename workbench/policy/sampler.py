@@ -55,6 +55,7 @@ class LiveBatch:
     consumed_B: list[int] = field(default_factory=list)  # stream tokens already in the cache
     images_B: list[int] = field(default_factory=list)  # stream images already in the cache
     logits_BV: torch.Tensor | None = None  # next-token logits after each row's last real token
+    feed: Any = None  # feed(model, live, tok_B, real_B) for decode steps; None = eager `_feed`
 
     @property
     def rows(self) -> int:
@@ -107,16 +108,27 @@ def extend(model: Any, live: LiveBatch, streams_B: list[Stream], pad_id: int) ->
         image_grid_thw=grid.to(device) if grid is not None else None,
         mm_token_type_ids=x["types"].to(device),
         use_cache=True,
+        logits_to_keep=1,  # left padding: the last column is every row's next-token position
     )
     empty = torch.tensor(x["empty"])
-    logits = out.logits[:, -1].float().cpu()
+    logits = out.logits[:, -1].float()  # stays on the model's device (no copy on the CPU)
     if live.logits_BV is not None:
-        logits = torch.where(empty[:, None], live.logits_BV, logits)
+        logits = torch.where(empty[:, None].to(logits.device), live.logits_BV, logits)
     real_max = torch.where(x["mask"].bool().unsqueeze(0), positions, -1).amax(dim=(0, 2))
     live.next_pos_B = torch.where(empty, next_pos, real_max + 1)
     live.cache, live.mask_BL, live.logits_BV = out.past_key_values, mask_BL, logits
     live.consumed_B = [len(s) for s in streams_B]
     live.images_B = [len(s.images) for s in streams_B]
+
+
+def device_generator(generator: torch.Generator | None,
+                     device: torch.device) -> torch.Generator | None:
+    """`generator` itself on the CPU; on an accelerator a generator there, seeded by one draw
+    from `generator` (so a seeded rollout stays reproducible without moving logits off it)."""
+    if generator is None or device.type == generator.device.type:
+        return generator
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    return torch.Generator(device).manual_seed(seed)
 
 
 def _draw(logp_BV: torch.Tensor, greedy: bool, generator: torch.Generator | None) -> torch.Tensor:
@@ -137,7 +149,8 @@ def _feed(model: Any, live: LiveBatch, tok_B: torch.Tensor, real_B: torch.Tensor
         use_cache=True,
     )
     live.cache = out.past_key_values
-    live.logits_BV = torch.where(real_B[:, None], out.logits[:, -1].float().cpu(), live.logits_BV)
+    live.logits_BV = torch.where(real_B[:, None].to(device), out.logits[:, -1].float(),
+                                 live.logits_BV)
     live.next_pos_B = live.next_pos_B + real_B.long()
     live.consumed_B = [c + int(r) for c, r in zip(live.consumed_B, real_B.tolist())]
 
@@ -153,6 +166,8 @@ def decode(
     """Sample one reply per row from the cached state; the reply's tokens enter the cache
     (all but the last, which the next `extend` feeds with the stream)."""
     greedy = params.temperature <= 0
+    generator = device_generator(generator, live.logits_BV.device)
+    feed = live.feed or _feed
     tokens_BT = [[] for _ in range(live.rows)]
     logps_BT = [[] for _ in range(live.rows)]
     done_B = torch.zeros(live.rows, dtype=torch.bool)
@@ -160,14 +175,15 @@ def decode(
         logp_BV = masked_log_softmax(live.logits_BV, params.temperature, fmt.banned)
         tok_B = _draw(logp_BV, greedy, generator)
         lp_B = logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
+        tok_cpu_B, lp_list = tok_B.cpu(), lp_B.tolist()  # one device sync per step
         for b in (~done_B).nonzero().flatten().tolist():
-            tokens_BT[b].append(int(tok_B[b]))
-            logps_BT[b].append(float(lp_B[b]))
+            tokens_BT[b].append(int(tok_cpu_B[b]))
+            logps_BT[b].append(lp_list[b])
         was_live_B = ~done_B
-        done_B = done_B | (tok_B == fmt.im_end)
+        done_B = done_B | (tok_cpu_B == fmt.im_end)
         if bool(done_B.all()) or step == params.max_tokens - 1:
             break
-        _feed(model, live, tok_B, was_live_B)
+        feed(model, live, tok_B, was_live_B)
     return [
         Completion(t, lp, "stop" if t and t[-1] == fmt.im_end else "length")
         for t, lp in zip(tokens_BT, logps_BT)
@@ -182,7 +198,7 @@ def select_rows(live: LiveBatch, rows: list[int]) -> None:
     live.cache.batch_select_indices(index.to(live.cache.layers[0].keys.device))
     live.mask_BL = live.mask_BL[index]
     live.next_pos_B = live.next_pos_B[index]
-    live.logits_BV = live.logits_BV[index]
+    live.logits_BV = live.logits_BV[index.to(live.logits_BV.device)]
     live.consumed_B = [live.consumed_B[r] for r in rows]
     live.images_B = [live.images_B[r] for r in rows]
 

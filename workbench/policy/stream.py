@@ -11,7 +11,8 @@ chat format:
 Each turn appends tokens; history is never re-rendered (re-rendering can change tokens and take
 the update silently off-policy). Beside the tokens the stream keeps a per-token modality type
 (0 text, 1 image), a loss mask (1 on sampled reply tokens only), the sampler's log-probabilities
-(0 elsewhere), and each image's processed pixels, so the trainer can re-run it exactly.
+(0 elsewhere), and each image's processed pixels (and the RGB image they came from), so the
+trainer can re-run it exactly.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ class VisionInput:
 
     pixel_values: torch.Tensor  # (patches, channels * temporal * patch * patch)
     grid_thw: torch.Tensor  # (3,) temporal, height, width in patches
+    image_HW3: np.ndarray | None = field(default=None, compare=False, repr=False)
+    # the RGB uint8 image these pixels came from (engines that run their own image
+    # processor, such as vLLM, take this)
 
     @property
     def n_patches(self) -> int:
@@ -90,7 +94,8 @@ def chat_format(processor: Any) -> ChatFormat:
 def encode_image(processor: Any, image_HW3: np.ndarray) -> VisionInput:
     """Run the processor's image pipeline on one RGB uint8 image."""
     out = processor.image_processor(images=[image_HW3], return_tensors="pt")
-    return VisionInput(pixel_values=out["pixel_values"], grid_thw=out["image_grid_thw"][0])
+    return VisionInput(pixel_values=out["pixel_values"], grid_thw=out["image_grid_thw"][0],
+                       image_HW3=image_HW3)
 
 
 def _append(

@@ -171,14 +171,18 @@ def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
 
 
 def update(training_client, datums: list[Datum], loss_fn: str, loss_cfg: LossConfig,
-           adam: AdamParams, minibatch: int = 16) -> UpdateRecord:
+           adam: AdamParams, minibatch: int = 16, bucket_by_length: bool = False) -> UpdateRecord:
     """forward_backward over mini-batches (queued back to back), then one optim_step.
 
-    The loss config's mean reduction is applied over the whole batch (`global_weights`)."""
+    The loss config's mean reduction is applied over the whole batch (`global_weights`), so the
+    split into mini-batches does not change the gradient; `bucket_by_length` sorts the datums by
+    length first, so each mini-batch pads to a near length instead of the longest episode."""
     start = time.perf_counter()
     if not datums:
         return UpdateRecord({}, 0.0, adam.learning_rate, 0, 0.0)
     datums = global_weights(datums, loss_cfg.reduction)
+    if bucket_by_length:
+        datums = sorted(datums, key=lambda d: len(d.stream))
     summed = replace(loss_cfg, reduction="sum")
     futures = [training_client.forward_backward(datums[i:i + minibatch], loss_fn, summed)
                for i in range(0, len(datums), minibatch)]

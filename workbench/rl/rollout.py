@@ -36,14 +36,10 @@ from workbench.policy import (
     append_reply,
     append_user,
     chat_format,
-    decode,
     encode_image,
-    extend,
-    open_batch,
-    repeat_rows,
-    select_rows,
     start_stream,
 )
+from workbench.policy.engine import Engine, TransformersEngine
 
 
 @dataclass
@@ -111,14 +107,16 @@ def play_model(
     n: int,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    engine: Engine | None = None,
 ) -> list[list[Episode]]:
     """G = n episodes per maze, all live episodes decoded together each turn: episodes_P_G.
 
-    Each maze's first prompt is prefilled once and shared by its G rows; after that every turn
-    prefills only the new observation (KV cache kept across turns) and drops finished rows.
+    `engine` draws the replies (default: the transformers engine over lm.model). Each maze's
+    first prompt is prefilled once and shared by its G rows; after that every turn prefills only
+    the new observation (KV cache kept across turns) and drops finished rows.
     """
+    engine = engine or TransformersEngine(lm)
     fmt = chat_format(lm.processor)
-    pad_id = lm.processor.tokenizer.pad_token_id
     system = start_stream(lm.processor, fmt, system_prompt(config))
     envs, episodes, first_streams, images = [], [], [], {}
     for state in init_states_P:
@@ -131,11 +129,10 @@ def play_model(
             envs.append(env)
             episodes.append(Episode(init_state=state, positions=[env.pos]))
     streams = [s for s in first_streams for _ in range(n)]
-    live, rows = open_batch(), list(range(len(envs)))  # rows[b]: episode index of cache row b
-    extend(lm.model, live, first_streams, pad_id)
-    repeat_rows(live, n)
+    rows = list(range(len(envs)))  # rows[b]: episode index of engine row b
+    live = engine.open(first_streams, n)
     while rows:
-        completions = decode(lm.model, live, fmt, params, generator)
+        completions = live.decode(params, generator)
         for i, done in zip(rows, completions):
             reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
             streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
@@ -146,8 +143,7 @@ def play_model(
         keep = [b for b, i in enumerate(rows) if not envs[i].done]
         rows = [rows[b] for b in keep]
         if rows:
-            select_rows(live, keep)
-            extend(lm.model, live, [streams[i] for i in rows], pad_id)
+            live.advance(keep, [streams[i] for i in rows])
     return [episodes[p * n:(p + 1) * n] for p in range(len(init_states_P))]
 
 

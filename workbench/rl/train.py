@@ -32,6 +32,7 @@ from workbench.envs.env import init_state_of
 from workbench.envs.rewards import REWARDS
 from workbench.model import LoraSettings
 from workbench.policy import SamplingParams
+from workbench.policy.engine import EngineSettings
 from workbench.rl import phases
 from workbench.session import AdamParams, LossConfig, create_session
 from workbench.session.checkpoint import atomic_folder, is_complete
@@ -135,9 +136,10 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
     lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha)
     model = dict(model=config.model.name, lora=lora, workdir=run_dir,
                  dtype=getattr(torch, config.model.dtype), device=config.model.device)
-    c = config.cluster
+    c, g = config.cluster, config.generator
     if not c.address:
-        return create_session(**model)
+        engine = EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns)
+        return create_session(**model, engine=engine)
     from workbench.cluster import connect, create_ray_session
 
     connect(c.address, c.num_cpus, c.num_gpus, c.dashboard, c.temp_dir or None, log=log)
@@ -145,8 +147,8 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
         **model, num_workers=config.trainer.num_workers,
         num_engines=config.generator.num_engines, colocate_all=config.trainer.colocate_all,
         strategy=config.trainer.strategy,
-        gpu_memory_utilization=config.generator.gpu_memory_utilization,
-        cpus_per_actor=c.cpus_per_actor)
+        gpu_memory_utilization=g.gpu_memory_utilization, engine=g.engine,
+        cpus_per_actor=c.cpus_per_actor, threads_per_actor=c.threads_per_actor)
 
 
 def start(config: RunConfig, log: Any = print) -> Trainer:
@@ -222,6 +224,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
                                 {"step": step, "adam": adam.__dict__, "loss_fn": c.trainer.loss,
                                  "loss_config": loss_cfg.__dict__, "metrics": row})
     rundir.append_metrics(trainer.run_dir, row)
+    trainer.session.report_metrics(row, trainer.run_dir.name)  # Ray: to Ray's metrics
     return row
 
 
@@ -251,14 +254,42 @@ def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
     }
 
 
+class ClusterLostError(ConnectionError):
+    """The Ray cluster went away mid-run; the run folder and its checkpoints are intact."""
+
+
+def cluster_lost(config: RunConfig, run_dir: Path, err: BaseException) -> ClusterLostError:
+    """The error a user sees when the cluster disappears: what was lost, what was kept, and
+    the command that continues."""
+    steps = [r["step"] for r in rundir.read_metrics(run_dir) if "reward/mean" in r]
+    ckpt = find_checkpoint(run_dir, log=lambda _: None)
+    kept = f"{ckpt} (step {checkpoint_step(ckpt)})" if ckpt else "none yet"
+    return ClusterLostError(
+        f"lost the Ray cluster at {config.cluster.address} after step {max(steps, default=0)} "
+        f"({type(err).__name__}: {err}). The run folder {run_dir} is intact; newest complete "
+        f"checkpoint: {kept}. Once the cluster is back, re-run the same command with "
+        "trainer.resume_mode=latest (or with cluster.address= to go on in-process).")
+
+
 def train(config: RunConfig, log: Any = print) -> Trainer:
     """The loop: evaluate, then steps with eval / checkpoint / export intervals; final eval.
 
     On Ray, an actor that dies (killed, out of memory, its node lost) ends the session: the
     loop closes it, opens a new one and resumes from the last complete checkpoint, at most
     cluster.max_restarts times. Steps after that checkpoint are redone, so none is lost or
-    logged twice, and the run ends as an undisturbed one would."""
-    trainer, restarts = start(config, log), 0
+    logged twice, and the run ends as an undisturbed one would. When the whole cluster goes
+    away (Ray Client loses its connection), a ClusterLostError names the checkpoint kept."""
+    trainer = start(config, log)
+    try:
+        return _train_with_restarts(trainer, log)
+    except ConnectionError as err:
+        if not config.cluster.address or isinstance(err, ClusterLostError):
+            raise
+        raise cluster_lost(config, trainer.run_dir, err) from err
+
+
+def _train_with_restarts(trainer: Trainer, log: Any) -> Trainer:
+    config, restarts = trainer.config, 0
     while True:
         try:
             return _loop(trainer, log)
@@ -322,3 +353,4 @@ def _log_eval(trainer: Trainer, record: phases.EvalRecord, log: Any) -> None:
                 f"eval/{r.mode}_turns": r.mean_turns, "eval/ceiling": r.ceiling,
                 "eval/n_mazes": r.n_mazes}
     rundir.append_metrics(trainer.run_dir, row)
+    trainer.session.report_metrics(row, trainer.run_dir.name)

@@ -21,6 +21,7 @@ trainer and sampler actors.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -31,7 +32,8 @@ import torch
 
 from workbench.envs import InitState, MazeConfig
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
-from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format, sample
+from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
+from workbench.policy.engine import Engine, EngineSettings, make_engine
 from workbench.policy.forward import token_logprobs
 from workbench.session import checkpoint
 from workbench.session.losses import LOSSES, REDUCTIONS, LossConfig, loss_metrics
@@ -56,10 +58,12 @@ class ModelHost:
     base_hash: str  # sha256 of the base weights (adapters refuse other bases)
     workdir: Path
     optimizer: torch.optim.Optimizer
+    engine: Engine  # draws samples (generator.engine); follows the sampler versions below
     opt_steps: int = 0
     weights_id: int = 0  # bumps whenever the trainable weights change
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     loaded_version: int | None = None  # which snapshot is in the model (None = trainer's)
+    loss_tokens_only: bool = False  # lm_head only on weighted tokens in forward(_backward)
 
     @property
     def pad_id(self) -> int:
@@ -86,7 +90,13 @@ def _snapshot(host: ModelHost) -> dict[str, torch.Tensor]:
 
 
 def _use_version(host: ModelHost, version: int) -> None:
-    """Put sampler version `version` into the model (the trainer's weights are kept aside)."""
+    """Sample from version `version`: its weights go into the model (the trainer's are kept
+    aside) and the engine is told."""
+    _load_version(host, version)
+    host.engine.use_version(version)
+
+
+def _load_version(host: ModelHost, version: int) -> None:
     trainer_current = host.loaded_version is None and version == host.weights_id
     if host.loaded_version == version or trainer_current:
         return
@@ -103,6 +113,7 @@ def _save_version(host: ModelHost) -> int:
     """Snapshot the trainer's weights as sampler version `host.weights_id`; returns it."""
     _with_trainer_weights(host)
     host.versions[host.weights_id] = _snapshot(host)
+    host.engine.add_version(host.weights_id, host.lm.model)
     _prune_versions(host, host.weights_id)
     return host.weights_id
 
@@ -110,6 +121,7 @@ def _save_version(host: ModelHost) -> int:
 def _prune_versions(host: ModelHost, newest: int) -> None:
     for old in [v for v in host.versions if 0 <= v < newest - KEEP_VERSIONS]:
         del host.versions[old]  # bounded memory: recent sampler versions only
+        host.engine.drop_version(old)
 
 
 def _install_version(host: ModelHost, version: int, tensors: dict[str, torch.Tensor]) -> None:
@@ -117,14 +129,15 @@ def _install_version(host: ModelHost, version: int, tensors: dict[str, torch.Ten
     host.versions[version] = tensors
     _copy_in(host, tensors)
     host.loaded_version = version
+    host.engine.add_version(version, host.lm.model)
     _prune_versions(host, max(host.versions))
 
 
 def _sample(host: ModelHost, prompt: Stream, num_samples: int, params: SamplingParams,
             seed: int) -> SampleResponse:
     gen = torch.Generator().manual_seed(seed)
-    done = sample(host.lm.model, host.fmt, [prompt], num_samples, params, gen, host.pad_id)
-    return SampleResponse(sequences=done[0])
+    done = host.engine.open([prompt], num_samples).decode(params, gen)
+    return SampleResponse(sequences=done)
 
 
 def _compute_logprobs(host: ModelHost, prompt: Stream, temperature: float) -> list[float]:
@@ -139,7 +152,7 @@ def _rollout(host: ModelHost, config: MazeConfig, init_states_P: list[InitState]
     from workbench.rl.rollout import play_model
 
     gen = torch.Generator().manual_seed(seed)
-    return play_model(host.lm, config, init_states_P, n, params, gen)
+    return play_model(host.lm, config, init_states_P, n, params, gen, host.engine)
 
 
 def _forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
@@ -151,8 +164,9 @@ def _forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig
     model.train(backward)
     with torch.set_grad_enabled(backward):
         streams = [d.stream for d in datums]
+        keep = [[w != 0 for w in d.weights_T] for d in datums] if host.loss_tokens_only else None
         logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
-                                           host.pad_id)
+                                           host.pad_id, keep)
         device = logp_B_T[0].device  # the side tables go where the model is (cuda on GPU)
         sampler_B_T = [torch.tensor(s.logprobs_T, device=device) for s in streams]
         adv_B_T = [torch.tensor(d.advantages_T, device=device) for d in datums]
@@ -301,6 +315,12 @@ class Session:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
+    def report_metrics(self, row: dict[str, Any], run: str) -> Future:
+        """Nothing to report to in-process (on Ray: Ray's metrics) -> Future[0]."""
+        done: Future = Future()
+        done.set_result(0)
+        return done
+
     def describe(self) -> dict[str, Any]:
         """Model source, base hash, LoRA settings (for manifests)."""
         return describe_host(self.host)
@@ -313,17 +333,20 @@ def make_host(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     hash_weights: bool = True,
+    engine: EngineSettings = EngineSettings(),
 ) -> ModelHost:
     """Load the base, hash it (a sampler-only host may skip that), wrap it in LoRA (None: train
-    all weights), make the optimiser."""
+    all weights), make the optimiser and the sampler engine (`engine.name`: generator.engine)."""
     lm = load_model(model, dtype=dtype, device=device)
     base_hash = weights_hash(lm.model) if hash_weights else ""
     if lora is not None:
         lm.model = add_lora(lm.model, lora).eval()
     params = [p for p in lm.model.parameters() if p.requires_grad]
+    adapters = Path(workdir) / "sampler_adapters" / str(os.getpid())  # one folder per process
     return ModelHost(
         lm=lm, fmt=chat_format(lm.processor), lora=lora, base_hash=base_hash,
         workdir=Path(workdir), optimizer=torch.optim.AdamW(params, lr=1e-4),
+        engine=make_engine(engine, lm, lora.rank if lora else None, adapters),
     )
 
 
@@ -340,9 +363,11 @@ def create_session(
     workdir: str | Path = "runs/session",
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    engine: EngineSettings = EngineSettings(),
 ) -> Session:
-    """Load the base, hash it, wrap it in LoRA (None: train all weights), start the worker."""
-    return Session(make_host(model, lora, workdir, dtype, device))
+    """Load the base, hash it, wrap it in LoRA (None: train all weights), build the sampler
+    engine (default: transformers), start the worker."""
+    return Session(make_host(model, lora, workdir, dtype, device, engine=engine))
 
 
 def create_session_from_state(path: str | Path, with_optimizer: bool = True,

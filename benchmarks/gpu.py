@@ -1,0 +1,515 @@
+"""GPU benchmark: the seed's shape (Qwen3-VL-8B architecture, random bf16 weights, LoRA r32) on one
+GPU, through the workbench's own code (our sampler and engines, the session's forward_backward with
+our losses, its weight-version handoff). Prints everything; writes gpu.json (and the log) to --out.
+
+    PYTHONUNBUFFERED=1 python3 benchmarks/gpu.py --out $OUT                  # H200, everything
+    python benchmarks/gpu.py --shape qwen3-vl-small-shape --device cpu --quick  # CPU dry run
+
+Sections (--sections): ceilings (copy bandwidth, bf16 matmul), decode (prefill and decode
+tokens/s, eager vs pooled-KV + CUDA graphs + GQA decode attention, batch 64 and 1, short and long
+context, % of the bandwidth bound), step (one GRPO step of 8 mazes x 8 samples, 15 turns, easy
+9x9 at 25 px: per phase, update tokens/s and MFU, peak memory of sampler and trainer, adapter
+handoff), scale (group 4/8/16 x easy/hard). Timing: CUDA events after a synchronize (host clock on
+the CPU), after warm-up; medians.
+
+A random model earns no reward, so every group has zero variance; as in benchmarks/bench.py the
+update gets advantages +-1 by episode parity (the same work as with real signal). Its replies are
+unparseable (ids beyond the tiny tokenizer decode to nothing) and it never emits <|im_end|>, so
+every episode plays all 15 turns with full-length replies: the upper bound of the seed's shape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt  # noqa: E402
+from workbench.model import LoraSettings  # noqa: E402
+from workbench.model.presets import lora_param_count, param_counts  # noqa: E402
+from workbench.policy import SamplingParams, append_user, encode_image, start_stream  # noqa: E402
+from workbench.policy.engine import TransformersEngine  # noqa: E402
+from workbench.rl import phases  # noqa: E402
+from workbench.rl.rollout import user_text  # noqa: E402
+from workbench.session.gpu import GpuSettings, configure_gpu  # noqa: E402
+from workbench.session.inprocess import Session, make_host  # noqa: E402
+from workbench.session.losses import LossConfig  # noqa: E402
+from workbench.session.types import AdamParams, datum_from_stream  # noqa: E402
+
+RESULTS: dict[str, Any] = {}
+T0 = time.perf_counter()
+
+
+def log(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f}s] {msg}", flush=True)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: torch.device) -> tuple[Any, float]:
+    """(fn(), seconds): CUDA events around fn after a synchronize; host clock on the CPU."""
+    sync(device)
+    if device.type != "cuda":
+        start = time.perf_counter()
+        out = fn()
+        return out, time.perf_counter() - start
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    out = fn()
+    end.record()
+    torch.cuda.synchronize()
+    return out, begin.elapsed_time(end) / 1000.0
+
+
+def peak_gb(device: torch.device) -> float:
+    return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
+
+
+def reset_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def save(out: Path) -> None:
+    (out / "gpu.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+
+
+# ------------------------------------------------------------------------------------ ceilings
+
+
+def ceilings(device: torch.device, quick: bool) -> dict[str, float]:
+    """Device-to-device copy bandwidth (bytes read + written) and the bf16 matmul rate."""
+    n = 2**24 if quick else 2**30  # bf16 elements: 2 GiB a buffer on the GPU
+    x = torch.randn(n, dtype=torch.bfloat16, device=device)
+    y = torch.empty_like(x)
+    copies = []
+    for r in range(23 if not quick else 4):
+        _, s = timed(partial(y.copy_, x), device)
+        if r >= 3 or quick:
+            copies.append(s)
+    copy_bw = 2 * x.numel() * 2 / statistics.median(copies)
+    del x, y
+    m = 1024 if quick else 8192
+    a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
+    mms = []
+    for r in range(23 if not quick else 4):
+        _, s = timed(partial(torch.matmul, a, b), device)
+        if r >= 3 or quick:
+            mms.append(s)
+    rate = 2 * m**3 / statistics.median(mms)
+    return {"copy_bytes_per_s": copy_bw, "bf16_matmul_flops": rate, "matmul_n": m,
+            "copy_gib": n * 2 / 2**30}
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+def model_facts(host: Any) -> dict[str, Any]:
+    """Parameter counts and the bytes one decode step must read (weights part)."""
+    base = host.lm.model.get_base_model()
+    cfg = base.config
+    counts = param_counts(cfg)
+    lora = sum(p.numel() for p in host.lm.model.parameters() if p.requires_grad)
+    lora_bytes = sum(p.numel() * p.element_size() for p in host.lm.model.parameters()
+                     if p.requires_grad)
+    elt = next(base.parameters()).element_size()
+    t = cfg.text_config
+    kv_per_token = t.num_hidden_layers * 2 * t.num_key_value_heads * t.head_dim * elt
+    # a decode step reads every text matrix, the lm_head, the norms and the LoRA factors once
+    weight_read = (counts["text_linear"] + counts["lm_head"] + counts["text_norms"]) * elt
+    weight_read += lora_bytes
+    return {"params": counts, "lora_params": lora, "lora_params_formula":
+            lora_param_count(cfg, host.lora.rank), "lora_bytes": lora_bytes,
+            "dtype_bytes": elt, "kv_bytes_per_token": kv_per_token,
+            "decode_weight_bytes": weight_read, "vocab": t.vocab_size, "hidden": t.hidden_size,
+            "layers": t.num_hidden_layers, "heads": t.num_attention_heads,
+            "head_dim": t.head_dim}
+
+
+# ------------------------------------------------------------------------------------ decode
+
+
+def first_prompts(host: Any, config: MazeConfig, n: int, extra_tokens: int = 0) -> list:
+    """n first-turn prompts (system + image + text) of eval mazes; `extra_tokens` one-token words
+    appended to the text to make a long context."""
+    proc, fmt = host.lm.processor, host.fmt
+    out = []
+    for state in eval_set(config.size, n):
+        env = MazeEnv(config)
+        obs, info = env.reset(options={"init_state": state})
+        s = start_stream(proc, fmt, system_prompt(config))
+        text = user_text(obs, info, config) + " up" * extra_tokens
+        out.append(append_user(s, proc, fmt, text, encode_image(proc, obs["image"])))
+    return out
+
+
+def bench_decode(host: Any, engine: Any, prompts: list, n: int, tokens: int, repeats: int,
+                 device: torch.device, facts: dict, bw: float) -> dict[str, float]:
+    """Prefill (engine.open) and fixed-length decode (<|im_end|> never stops it): medians."""
+    engine.fmt = replace(host.fmt, im_end=-1)
+    params = SamplingParams(max_tokens=tokens, temperature=1.0)
+    prompt_tokens = sum(len(s) for s in prompts)
+    pre, dec = [], []
+    rows = None
+    for r in range(repeats + 1):  # the first run warms up (and captures graphs)
+        rows, s_pre = timed(partial(engine.open, prompts, n), device)
+        gen = torch.Generator().manual_seed(r)
+        _, s_dec = timed(partial(rows.decode, params, gen), device)
+        if r > 0:
+            pre.append(s_pre)
+            dec.append(s_dec)
+    engine.fmt = host.fmt
+    B = len(prompts) * n
+    ctx = rows.live.mask_BL.shape[1]  # cache columns at the end (prompt + decoded)
+    step_s = statistics.median(dec) / (tokens - 1)  # forward steps: tokens - 1 feeds
+    mean_ctx = ctx - tokens / 2
+    kv_bytes = B * mean_ctx * facts["kv_bytes_per_token"]
+    bound_s = (facts["decode_weight_bytes"] + kv_bytes) / bw
+    del rows
+    return {"rows": B, "prompt_tokens_per_row": prompt_tokens / len(prompts),
+            "prefill_tokens_per_s": prompt_tokens / statistics.median(pre),
+            "prefill_s": statistics.median(pre),
+            "decode_tokens_per_s": B * tokens / statistics.median(dec),
+            "decode_ms_per_step": 1000 * step_s, "context_tokens": ctx,
+            "kv_gb_read_per_step": kv_bytes / 1e9,
+            "bound_ms_per_step": 1000 * bound_s, "pct_of_bandwidth_bound": 100 * bound_s / step_s}
+
+
+def section_decode(host: Any, args: Any, device: torch.device, facts: dict, bw: float) -> None:
+    config = MazeConfig(size=9, px_per_cell=25, grammar="tuple", max_turns=15)
+    out = {}
+    tokens = 9 if args.quick else 33
+    repeats = 1 if args.quick else 3
+    fast = host.engine  # configured GraphEngine
+    eager = TransformersEngine(host.lm)
+    cases = [("b64_short", 8, 8, 0), ("b1_short", 1, 1, 0), ("b64_long", 8, 8, 1400),
+             ("b1_long", 1, 1, 1400)]
+    if args.quick:
+        cases = [("b64_short", 2, 2, 0), ("b1_short", 1, 1, 0), ("b64_long", 2, 2, 100)]
+    for name, P, n, extra in cases:
+        prompts = first_prompts(host, config, P, extra)
+        labels = (("fast", fast),) if name == "b1_long" else (("fast", fast), ("eager", eager))
+        for label, engine in labels:
+            if label == "eager":
+                host.lm.model.get_base_model().set_attn_implementation("sdpa")
+            else:
+                from workbench.policy.attention import use_gqa_decode_attention
+                use_gqa_decode_attention(host.lm.model)
+            reset_peak(device)
+            r = bench_decode(host, engine, prompts, n, tokens, repeats, device, facts, bw)
+            r["peak_gb"] = peak_gb(device)
+            out[f"{name}_{label}"] = r
+            log(f"decode {name:10s} {label:5s}: prefill {r['prefill_tokens_per_s']:10,.0f} tok/s"
+                f" | decode {r['decode_tokens_per_s']:9,.0f} tok/s, {r['decode_ms_per_step']:7.2f}"
+                f" ms/step, bound {r['bound_ms_per_step']:.2f} ms ->"
+                f" {r['pct_of_bandwidth_bound']:5.1f}% (ctx {r['context_tokens']})")
+    from workbench.policy.attention import use_gqa_decode_attention
+    from workbench.policy.graphs import reset_graphs
+    use_gqa_decode_attention(host.lm.model)
+    st = host.engine.static
+    if st.use_graphs or args.quick:  # what the LoRA kernels cost a step (graphs re-captured)
+        reset_graphs(st)
+        with host.lm.model.disable_adapter():
+            r = bench_decode(host, fast, first_prompts(host, config, cases[0][1]), cases[0][2],
+                             tokens, repeats, device, facts, bw)
+        reset_graphs(st)
+        out["b64_short_fast_no_lora"] = r
+        log(f"decode b64_short fast, LoRA off: {r['decode_ms_per_step']:.2f} ms/step "
+            f"({r['pct_of_bandwidth_bound']:.1f}% of the bound with LoRA bytes)")
+    out["graphs"] = {"captures": st.captures, "capture_s": st.capture_seconds,
+                     "use_graphs": st.use_graphs, "error": st.error}
+    RESULTS["decode"] = out
+
+
+# ------------------------------------------------------------------------------------ GRPO step
+
+
+def train_flops(datums: list, facts: dict, vision_flops_per_patch: float) -> dict[str, float]:
+    """Model FLOPs of one update (forward + backward; LoRA: the base's weight grads are not
+    computed) and the hardware FLOPs with gradient checkpointing's recomputed forward.
+
+    per token: forward 2 N_text, backward (activation grads) 2 N_text, LoRA 6 N_lora;
+    per loss token: lm_head 2 V d forward + 2 V d backward; attention (causal) 2 L^2 H d_head
+    per layer forward, twice that backward; vision tower forward only (frozen, no grad)."""
+    p = facts["params"]
+    n_text, n_lora = p["text_linear"], facts["lora_params"]
+    V, d = facts["vocab"], facts["hidden"]
+    tokens = sum(len(x.stream) for x in datums)
+    kept = sum(sum(1 for w in x.weights_T if w != 0) for x in datums)
+    attn_fwd = sum(2 * len(x.stream) ** 2 * facts["heads"] * facts["head_dim"] * facts["layers"]
+                   for x in datums)
+    patches = sum(int(im.grid_thw.prod()) for x in datums for im in x.stream.images)
+    vision = vision_flops_per_patch * patches
+    fwd = 2 * n_text * tokens + 2 * n_lora * tokens + 2 * V * d * kept + attn_fwd
+    model = fwd + (2 * n_text * tokens + 4 * n_lora * tokens + 2 * V * d * kept + 2 * attn_fwd)
+    model += vision
+    recompute = 2 * n_text * tokens + 2 * n_lora * tokens + attn_fwd + vision
+    return {"tokens": tokens, "loss_tokens": kept, "model_flops": model,
+            "hardware_flops": model + recompute, "vision_flops": vision, "attn_fwd": attn_fwd,
+            "images": sum(len(x.stream.images) for x in datums)}
+
+
+def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: int,
+              minibatch: int, seed: int, device: torch.device, facts: dict,
+              peak_flops: float) -> dict[str, float]:
+    """One GRPO step through the session, timed per phase."""
+    tc, host = session.training_client, session.host
+    static = getattr(host.engine, "static", None)
+    caps0 = (static.captures, static.capture_seconds) if static else (0, 0.0)
+    states = [s for s in eval_set(config.size, 64)][seed % 8 * 8:][:P]
+    if len(states) < P:
+        states = eval_set(config.size, P)
+    sampler, handoff = timed(tc.save_weights_and_get_sampling_client, device)
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
+    reset_peak(device)
+    ro, s_roll = timed(lambda: phases.rollout(sampler, config, states, G, params, seed), device)
+    sampler_peak = peak_gb(device)
+    sc, s_score = timed(lambda: phases.score(ro), device)
+    adv, s_adv = timed(lambda: phases.advantages(sc.rewards_P_G, "grpo"), device)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)  # no reward: +-1 by parity
+              for k, ep in enumerate(ro.flat)]
+    loss = LossConfig(reduction="sequence_mean")
+    weighted = sorted(phases.global_weights(datums, loss.reduction), key=lambda d: len(d.stream))
+    summed = replace(loss, reduction="sum")
+    reset_peak(device)
+
+    def fb():
+        futures = [tc.forward_backward(weighted[i:i + minibatch], "ppo", summed)
+                   for i in range(0, len(weighted), minibatch)]
+        return [f.result() for f in futures]
+
+    outs, s_fb = timed(fb, device)
+    opt, s_opt = timed(lambda: tc.optim_step(AdamParams(learning_rate=1e-6)).result(), device)
+    trainer_peak = peak_gb(device)
+    flops = train_flops(datums, facts, facts["vision_flops_per_patch"])
+    s_update = s_fb + s_opt
+    turns = [ep.turns for ep in ro.flat]
+    sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
+    caps = (static.captures - caps0[0], static.capture_seconds - caps0[1]) if static else (0, 0)
+    return {
+        "P": P, "G": G, "size": config.size, "px": config.px_per_cell,
+        "handoff_s": handoff, "rollout_s": s_roll, "score_s": s_score, "advantages_s": s_adv,
+        "forward_backward_s": s_fb, "optim_step_s": s_opt, "update_s": s_update,
+        "step_s": handoff + s_roll + s_score + s_adv + s_update,
+        "graph_captures_in_rollout": caps[0], "graph_capture_s_in_rollout": caps[1],
+        "turns_mean": statistics.mean(turns), "episode_tokens_mean":
+        statistics.mean(len(ep.stream) for ep in ro.flat), "episode_tokens_max":
+        max(len(ep.stream) for ep in ro.flat), "sampled_tokens": sampled,
+        "sampled_tokens_per_s": sampled / s_roll,
+        "update_tokens": flops["tokens"], "update_tokens_per_s": flops["tokens"] / s_update,
+        "loss_tokens": flops["loss_tokens"], "images": flops["images"],
+        "model_tflop": flops["model_flops"] / 1e12, "hardware_tflop":
+        flops["hardware_flops"] / 1e12, "vision_tflop": flops["vision_flops"] / 1e12,
+        "mfu_pct": 100 * flops["model_flops"] / s_update / peak_flops,
+        "hfu_pct": 100 * flops["hardware_flops"] / s_update / peak_flops,
+        "sampler_peak_gb": sampler_peak, "trainer_peak_gb": trainer_peak,
+        "kv_pool_gb": kv_pool_gb(static), "grad_norm": opt.grad_norm,
+        "loss": sum(o.loss for o in outs),
+        "kl_sampler_trainer": statistics.mean(o.metrics["kl_sampler_trainer"] for o in outs),
+    }
+
+
+def kv_pool_gb(static: Any) -> float:
+    """Bytes held by the sampler's KV pool (all layers, keys and values)."""
+    if static is None:
+        return 0.0
+    return sum(t.numel() * t.element_size() for layer in static.cache.layers
+               for t in (layer._k, layer._v) if t is not None) / 1e9
+
+
+def print_step(tag: str, r: dict) -> None:
+    log(f"{tag}: step {r['step_s']:.2f} s = handoff {r['handoff_s']:.3f} + rollout "
+        f"{r['rollout_s']:.2f} (captures {r['graph_captures_in_rollout']}, "
+        f"{r['graph_capture_s_in_rollout']:.2f} s) + score {r['score_s']:.4f} + adv "
+        f"{r['advantages_s']:.4f} + fwd_bwd {r['forward_backward_s']:.2f} + optim "
+        f"{r['optim_step_s']:.3f}")
+    log(f"    {r['P']}x{r['G']} size {r['size']}: turns {r['turns_mean']:.1f}, episode tokens "
+        f"{r['episode_tokens_mean']:.0f} (max {r['episode_tokens_max']}), sampled "
+        f"{r['sampled_tokens_per_s']:,.0f} tok/s; update {r['update_tokens_per_s']:,.0f} tok/s, "
+        f"MFU {r['mfu_pct']:.1f}% (HFU {r['hfu_pct']:.1f}%); peak GB sampler "
+        f"{r['sampler_peak_gb']:.1f} trainer {r['trainer_peak_gb']:.1f} (KV pool "
+        f"{r['kv_pool_gb']:.1f}); kl "
+        f"{r['kl_sampler_trainer']:.2e}")
+
+
+def section_step(session: Session, args: Any, device: torch.device, facts: dict,
+                 peak: float) -> None:
+    config = MazeConfig(size=9, px_per_cell=25, grammar="tuple", max_turns=args.turns,
+                        reward="stop_on_goal", format_weight=0.2)
+    runs = []
+    for r in range(1 + args.step_repeats):  # the first step warms up
+        res = grpo_step(session, config, args.mazes, args.group, args.max_tokens,
+                        args.minibatch, seed=r, device=device, facts=facts, peak_flops=peak)
+        print_step("warm-up step" if r == 0 else f"step {r}", res)
+        if r > 0:
+            runs.append(res)
+    if not runs:  # --step-repeats 0: a warm-up only (e.g. before a scale row)
+        return
+    med = {k: statistics.median(x[k] for x in runs) if isinstance(runs[0][k], float) else
+           runs[0][k] for k in runs[0]}
+    RESULTS["step"] = {"median": med, "runs": runs}
+    export, s_export = timed(lambda: session.training_client.export_adapter(
+        Path(args.workdir) / "adapter").result(), device)
+    RESULTS["step"]["adapter_export_s"] = s_export
+    RESULTS["step"]["adapter_mb"] = sum(
+        f.stat().st_size for f in Path(export).rglob("*") if f.is_file()) / 1e6
+    log(f"adapter export (PEFT folder, the handoff a separate vLLM sampler would load): "
+        f"{s_export:.2f} s, {RESULTS['step']['adapter_mb']:.0f} MB")
+
+
+def section_scale(session: Session, args: Any, device: torch.device, facts: dict,
+                  peak: float, deadline: float) -> None:
+    rows = RESULTS.setdefault("scale", [])
+    for size in args.scale_sizes:
+        for G in args.scale_groups:
+            if time.perf_counter() - T0 > deadline:
+                log(f"scale: deadline reached, skipping size {size} G {G}")
+                rows.append({"size": size, "G": G, "skipped": "deadline"})
+                continue
+            config = MazeConfig(size=size, px_per_cell=25, grammar="tuple",
+                                max_turns=args.turns, reward="stop_on_goal", format_weight=0.2)
+            res = grpo_step(session, config, args.mazes, G, args.max_tokens, args.minibatch,
+                            seed=10 + G, device=device, facts=facts, peak_flops=peak)
+            print_step(f"scale size {size} G {G}", res)
+            rows.append(res)
+            save(Path(args.out))
+
+
+# ------------------------------------------------------------------------------------ main
+
+
+def vision_flops_per_patch(host: Any) -> float:
+    """2 x vision parameters per patch (matmuls; the merger acts on merged tokens: counted at
+    1/merge^2 of the patches)."""
+    v = host.lm.model.get_base_model().config.vision_config
+    p = param_counts(host.lm.model.get_base_model().config)["vision"]
+    merger = (v.hidden_size * 4) ** 2 + v.hidden_size * 4 * v.out_hidden_size
+    mergers = (1 + len(v.deepstack_visual_indexes)) * merger
+    return 2 * (p - mergers - v.num_position_embeddings * v.hidden_size) + 2 * mergers / 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-vl-8b-shape")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="/tmp/workbench-gpu-bench")
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--sections", default="ceilings,decode,step,scale")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU dry run)")
+    ap.add_argument("--mazes", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=15)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--minibatch", type=int, default=16)
+    ap.add_argument("--step-repeats", type=int, default=1)
+    ap.add_argument("--scale-groups", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[4, 8, 16])
+    ap.add_argument("--scale-sizes", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[9, 11])
+    ap.add_argument("--kv-tokens", type=int, default=3072)
+    ap.add_argument("--deadline", type=float, default=500.0, help="skip scale rows after (s)")
+    ap.add_argument("--no-graphs", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.workdir = args.workdir or tempfile.mkdtemp(prefix="workbench-gpu-")
+    device = torch.device(args.device)
+    sections = args.sections.split(",")
+    import transformers
+    RESULTS["env"] = {"date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "argv": sys.argv,
+                      "torch": torch.__version__, "transformers": transformers.__version__,
+                      "python": platform.python_version(),
+                      "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    log(f"env: {RESULTS['env']}")
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+    ceil = {"copy_bytes_per_s": 4.24e12, "bf16_matmul_flops": 788e12, "measured": False}
+    if "ceilings" in sections:
+        ceil = ceilings(device, args.quick) | {"measured": True}
+        log(f"ceilings: copy {ceil['copy_bytes_per_s'] / 1e12:.2f} TB/s (read+write), bf16 "
+            f"matmul {ceil['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s ({ceil['matmul_n']}^3)")
+    RESULTS["ceilings"] = ceil
+    save(out)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    host, s_build = timed(lambda: make_host(args.shape, LoraSettings(rank=32, alpha=64),
+                                            args.workdir, dtype, args.device,
+                                            hash_weights=False), device)
+    static = configure_gpu(host, GpuSettings(cuda_graphs=not args.no_graphs,
+                                             kv_rows=args.mazes * args.group,
+                                             kv_tokens=args.kv_tokens))
+    facts = model_facts(host)
+    facts["vision_flops_per_patch"] = vision_flops_per_patch(host)
+    facts["build_s"] = s_build
+    facts["weights_gb"] = torch.cuda.memory_allocated() / 1e9 if device.type == "cuda" else 0
+    RESULTS["model"] = facts
+    log(f"model {args.shape}: {facts['params']['total'] / 1e9:.3f} B params, LoRA "
+        f"{facts['lora_params'] / 1e6:.1f} M ({facts['lora_bytes'] / 1e6:.0f} MB), built in "
+        f"{s_build:.1f} s, {facts['weights_gb']:.1f} GB on the device; decode reads "
+        f"{facts['decode_weight_bytes'] / 1e9:.2f} GB of weights + "
+        f"{facts['kv_bytes_per_token'] / 1e3:.0f} KB KV a token; graphs {static.use_graphs}")
+    save(out)
+    bw, peak = ceil["copy_bytes_per_s"], ceil["bf16_matmul_flops"]
+    if "decode" in sections:
+        section_decode(host, args, device, facts, bw)
+        save(out)
+    session = Session(host)
+    try:
+        if "step" in sections:
+            section_step(session, args, device, facts, peak)
+            save(out)
+        if "scale" in sections:
+            section_scale(session, args, device, facts, peak, args.deadline)
+            save(out)
+    finally:
+        session.close()
+    RESULTS["total_s"] = time.perf_counter() - T0
+    save(out)
+    summary(RESULTS)
+
+
+def summary(res: dict) -> None:
+    """The short table printed last."""
+    c = res["ceilings"]
+    print("\n=== summary ===")
+    print(f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+          f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
+    for k, r in res.get("decode", {}).items():
+        if k != "graphs":
+            print(f"decode {k:16s} {r['decode_tokens_per_s']:10,.0f} tok/s "
+                  f"{r['decode_ms_per_step']:7.2f} ms/step {r['pct_of_bandwidth_bound']:5.1f}% "
+                  f"of bound; prefill {r['prefill_tokens_per_s']:10,.0f} tok/s")
+    if "step" in res:
+        m = res["step"]["median"]
+        print(f"GRPO step {m['P']}x{m['G']}: {m['step_s']:.1f} s (rollout {m['rollout_s']:.1f},"
+              f" fwd_bwd {m['forward_backward_s']:.1f}, optim {m['optim_step_s']:.3f}, handoff "
+              f"{m['handoff_s']:.3f}); update {m['update_tokens_per_s']:,.0f} tok/s MFU "
+              f"{m['mfu_pct']:.1f}% HFU {m['hfu_pct']:.1f}%; peak sampler "
+              f"{m['sampler_peak_gb']:.1f} GB trainer {m['trainer_peak_gb']:.1f} GB")
+    for r in res.get("scale", []):
+        if "skipped" in r:
+            print(f"scale size {r['size']} G {r['G']}: skipped")
+            continue
+        print(f"scale size {r['size']:2d} G {r['G']:2d}: step {r['step_s']:6.1f} s rollout "
+              f"{r['rollout_s']:6.1f} update {r['update_s']:6.1f} MFU {r['mfu_pct']:4.1f}% peak "
+              f"sampler {r['sampler_peak_gb']:5.1f} trainer {r['trainer_peak_gb']:5.1f} GB")
+    print(f"total {res.get('total_s', float('nan')):.0f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,191 @@
+"""The GPU code paths, checked on the CPU against the eager ones (CI never has a GPU).
+
+- presets: Qwen3-VL-8B's config numbers and parameter count, from the config alone (no weights);
+- pooled KV + static decode steps (what a CUDA graph replays) == the eager sampler;
+- grouped-query decode attention == transformers' sdpa;
+- lm_head on the loss tokens only == the full token_logprobs on those tokens;
+- graph capture itself, and a whole GRPO step of the 8B shape, only where CUDA is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workbench.envs import MazeConfig, MazeEnv, system_prompt
+from workbench.model import LoraSettings, add_lora
+from workbench.model.presets import (
+    QWEN3_VL_8B,
+    QWEN3_VL_SMALL,
+    build_random,
+    lora_param_count,
+    param_counts,
+    shape_config,
+)
+from workbench.model.tokenizer import build_tokenizer
+from workbench.policy import (
+    SamplingParams,
+    append_user,
+    chat_format,
+    encode_image,
+    start_stream,
+)
+from workbench.policy.engine import TransformersEngine
+from workbench.policy.forward import token_logprobs
+from workbench.rl import user_text
+
+CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module")
+def small():
+    """The small shape (real vocabulary, GQA 8 / 2), LoRA r8, float32 on the CPU."""
+    lm = build_random("qwen3-vl-small-shape", dtype=torch.float32, device="cpu")
+    lm.model = add_lora(lm.model, LoraSettings(rank=8, alpha=16)).eval()
+    with torch.no_grad():  # non-zero B so the adapter changes the outputs
+        for name, p in lm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    return lm
+
+
+def _prompts(lm, sizes=(9, 11)):
+    config_fmt = chat_format(lm.processor)
+    out = []
+    for k, size in enumerate(sizes):
+        config = MazeConfig(size=size, px_per_cell=25)
+        obs, info = MazeEnv(config).reset(seed=k)
+        s = start_stream(lm.processor, config_fmt, system_prompt(config))
+        out.append(append_user(s, lm.processor, config_fmt, user_text(obs, info, config),
+                               encode_image(lm.processor, obs["image"])))
+    return out
+
+
+def test_8b_preset_config_numbers_and_param_count() -> None:
+    config = shape_config(QWEN3_VL_8B, build_tokenizer(512).get_vocab())
+    t, v = config.text_config, config.vision_config
+    assert (t.hidden_size, t.num_hidden_layers, t.num_attention_heads) == (4096, 36, 32)
+    assert (t.num_key_value_heads, t.head_dim, t.intermediate_size) == (8, 128, 12288)
+    assert t.vocab_size == 151936 and not config.tie_word_embeddings
+    assert t.rope_parameters["mrope_section"] == [24, 20, 20]
+    assert t.rope_parameters["rope_theta"] == 5_000_000.0
+    assert (v.depth, v.hidden_size, v.intermediate_size, v.num_heads) == (27, 1152, 4304, 16)
+    assert (v.patch_size, v.spatial_merge_size, v.out_hidden_size) == (16, 2, 4096)
+    assert list(v.deepstack_visual_indexes) == [8, 16, 24]
+    counts = param_counts(config)
+    # 36 * (4096*128*(2*32 + 2*8) + 3*4096*12288) text matrices; 8.77 B in all (FACTS)
+    assert counts["text_linear"] == 36 * (4096 * 128 * 80 + 3 * 4096 * 12288)
+    assert abs(counts["total"] / 1e9 - 8.767) < 0.001
+    assert lora_param_count(config, 32) == 87_293_952
+
+
+def test_param_count_formula_matches_a_built_model(small) -> None:
+    base = small.model.get_base_model()
+    built = sum(p.numel() for n, p in base.named_parameters() if "lora_" not in n)
+    assert param_counts(base.config)["total"] == built
+    lora = sum(p.numel() for p in small.model.parameters() if p.requires_grad)
+    assert lora == lora_param_count(base.config, 8)
+    assert QWEN3_VL_SMALL.vocab == base.config.text_config.vocab_size
+
+
+def test_preset_processor_uses_qwen3vl_pixel_bounds(small) -> None:
+    prompts = _prompts(small)
+    grids = [tuple(s.images[0].grid_thw.tolist()) for s in prompts]
+    assert grids == [(1, 16, 16), (1, 18, 18)]  # 225 px -> 64 image tokens, 275 px -> 81
+
+
+def _rollout_like(engine, prompts, n, turns, seed):
+    """A few turns of decode + advance with fixed follow-up text (no env): completions per turn."""
+    fmt = chat_format(engine.lm.processor)
+    rows = engine.open(prompts, n)
+    streams = [s for s in prompts for _ in range(n)]
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    from workbench.policy import append_reply
+    for turn in range(turns):
+        done = rows.decode(SamplingParams(max_tokens=5, temperature=1.0), gen)
+        out.append(done)
+        streams = [append_user(append_reply(s, fmt, c.tokens, c.logprobs), engine.lm.processor,
+                               fmt, f"turn {turn}") for s, c in zip(streams, done)]
+        keep = [b for b in range(len(streams)) if b != turn]  # drop one row a turn
+        streams = [streams[b] for b in keep]
+        rows.advance(keep, streams)
+    return out
+
+
+def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
+    from workbench.policy.attention import use_gqa_decode_attention
+    from workbench.policy.graphs import GraphEngine, make_static_decode
+
+    prompts = _prompts(small)
+    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    static = make_static_decode(small.model, rows=2, capacity=64, bucket=32, use_graphs=False)
+    try:
+        use_gqa_decode_attention(small.model)
+        pooled = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+        again = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)  # pool reused
+    finally:
+        small.model.get_base_model().set_attn_implementation("sdpa")
+    assert static.generation >= 2  # grew from 2 rows x 64 to the batch
+    for a_turn, b_turn, c_turn in zip(eager, pooled, again):
+        for a, b, c in zip(a_turn, b_turn, c_turn):
+            assert a.tokens == b.tokens == c.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+            assert b.logprobs == c.logprobs
+
+
+@pytest.mark.parametrize("queries", [1, 5])
+def test_gqa_attention_matches_sdpa(queries: int) -> None:
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from workbench.policy.attention import gqa_decode_attention
+
+    g = torch.Generator().manual_seed(queries)
+    q = torch.randn(3, 8, queries, 16, generator=g).transpose(1, 2).contiguous().transpose(1, 2)
+    k, v = torch.randn(3, 2, 40, 16, generator=g), torch.randn(3, 2, 40, 16, generator=g)
+    mask = torch.rand(3, 1, queries, 48, generator=g) > 0.3
+    mask[:, :, :, 0] = True
+    module = SimpleNamespace(num_key_value_groups=4, is_causal=True)
+    ours, _ = gqa_decode_attention(module, q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask[:, :, :, :40], scaling=0.25)
+    torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_loss_tokens_only_matches_full_logprobs(small) -> None:
+    fmt = chat_format(small.processor)
+    pad = small.processor.tokenizer.pad_token_id
+    streams = _prompts(small)
+    keep = [[t % 3 == 0 for t in range(len(s))] for s in streams]
+    model = small.model
+    model.train()
+    try:
+        full_lp, full_ent = token_logprobs(model, streams, 1.0, fmt.banned, pad)
+        kept_lp, kept_ent = token_logprobs(model, streams, 1.0, fmt.banned, pad, keep)
+        loss = sum(lp.sum() for lp in kept_lp)
+        loss.backward()
+    finally:
+        model.eval()
+        model.zero_grad(set_to_none=True)
+    for f, k, fe, ke, m in zip(full_lp, kept_lp, full_ent, kept_ent, keep):
+        m_T = torch.tensor(m)
+        m_T[0] = False
+        torch.testing.assert_close(k[m_T], f[m_T], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ke[m_T], fe[m_T], atol=1e-4, rtol=1e-4)
+        assert bool((k[~m_T] == 0).all())
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_graph_decode_matches_eager_on_cuda() -> None:
+    from workbench.policy.graphs import GraphEngine, make_static_decode
+
+    lm = build_random("qwen3-vl-small-shape", dtype=torch.float32, device="cuda")
+    prompts = _prompts(lm)
+    eager = _rollout_like(TransformersEngine(lm), prompts, 2, 3, seed=3)
+    static = make_static_decode(lm.model, rows=4, capacity=512, bucket=64)
+    graphed = _rollout_like(GraphEngine(lm, static), prompts, 2, 3, seed=3)
+    assert static.use_graphs and static.captures > 0, static.error
+    for a_turn, b_turn in zip(eager, graphed):
+        for a, b in zip(a_turn, b_turn):
+            assert a.tokens == b.tokens

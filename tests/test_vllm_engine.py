@@ -1,0 +1,388 @@
+"""The vLLM sampler engine's glue: selection, requests, completions, a rollout end to end.
+
+vLLM cannot run here: vllm 0.33.0 is a CUDA-only wheel that cannot be installed on this CPU
+machine (nor on the H200 machine available). So, apart from the last test (skipped unless vllm
+imports and CUDA is available), these tests inject a FAKE `vllm` module into sys.modules. It
+records what our engine asks of it and answers the way vLLM documents (prompt image pads
+expanded, fixed move words with log-probs). This is the only mock in the suite: it checks our
+request/response glue, not vLLM itself.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from workbench.config import ConfigError, RunConfig, apply_overrides
+from workbench.envs import (
+    MazeConfig,
+    MazeEnv,
+    eval_set,
+    format_action,
+    oracle_actions,
+    system_prompt,
+)
+from workbench.model import LoraSettings
+from workbench.policy import (
+    Completion,
+    SamplingParams,
+    Stream,
+    append_reply,
+    chat_format,
+    encode_image,
+    start_stream,
+)
+from workbench.policy.engine import EngineSettings, TransformersEngine, make_engine
+from workbench.policy.vllm_engine import (
+    BAN_BIAS,
+    VLLMEngine,
+    check_prompt,
+    expand_image_pads,
+    max_lora_rank,
+    prompt_token_ids,
+    to_completion,
+    vllm_prompt,
+)
+from workbench.rl.rollout import observe
+from workbench.session import Session, create_session, datum_from_stream
+from workbench.session.types import AdamParams
+
+LORA = LoraSettings(rank=8, alpha=16)
+SMALL = MazeConfig(size=5, max_turns=4)
+SCRIPT = ("right", "down", "stop")  # the fake's reply on generate call 1, 2, 3
+
+
+# ------------------------------------------------------------------ the fake vllm module
+
+
+@dataclass
+class FakeOutput:
+    """vllm.CompletionOutput's fields we read."""
+
+    token_ids: list[int]
+    logprobs: list[dict[int, Any]]
+    finish_reason: str = "stop"
+
+
+@dataclass
+class FakeRequestOutput:
+    """vllm.RequestOutput's fields we read."""
+
+    prompt_token_ids: list[int]
+    outputs: list[FakeOutput]
+
+
+@dataclass
+class FakeVLLM:
+    """State of the fake: what LLM() and generate() were called with, and how to answer."""
+
+    reply_ids: Callable[[int], list[int]]  # generate call index -> reply token ids
+    image_tokens: Callable[[Any], int]  # PIL image -> token count (vLLM runs the HF processor)
+    image_pad: int  # <|image_pad|>: each one in a prompt is expanded to its image's tokens
+    llm_kwargs: list[dict[str, Any]] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+
+    def logprob(self, call: int, position: int) -> float:
+        return -0.125 * (call + 1) - 0.01 * position
+
+    def generate(self, prompts: list[dict], params: list[Any], lora_request: Any = None,
+                 use_tqdm: bool = True) -> list[FakeRequestOutput]:
+        call = len(self.calls)
+        self.calls.append(dict(prompts=prompts, params=params, lora=lora_request))
+        reply = self.reply_ids(call)
+        outputs = []
+        for prompt in prompts:
+            images = iter(prompt.get("multi_modal_data", {}).get("image", []))
+            expanded = [t for tok in prompt["prompt_token_ids"]
+                        for t in ([tok] * self.image_tokens(next(images))
+                                  if tok == self.image_pad else [tok])]
+            lps = [{tok: types.SimpleNamespace(logprob=self.logprob(call, k))}
+                   for k, tok in enumerate(reply)]
+            outputs.append(FakeRequestOutput(expanded, [FakeOutput(list(reply), lps)]))
+        return outputs
+
+
+def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
+    """sys.modules entries for vllm, vllm.lora, vllm.lora.request backed by `state`."""
+    vllm = types.ModuleType("vllm")
+
+    class LLM:
+        def __init__(self, **kwargs: Any) -> None:
+            state.llm_kwargs.append(kwargs)
+
+        def generate(self, *args: Any, **kwargs: Any) -> list[FakeRequestOutput]:
+            return state.generate(*args, **kwargs)
+
+    vllm.LLM = LLM
+    vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
+    lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
+    request.LoRARequest = lambda **kw: types.SimpleNamespace(**kw)
+    vllm.lora, lora.request = lora, request
+    return {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request}
+
+
+@pytest.fixture
+def fake_vllm(tiny, monkeypatch: pytest.MonkeyPatch) -> FakeVLLM:
+    """A fake `vllm` in sys.modules answering SCRIPT's words (then "stop")."""
+    tok = tiny.processor.tokenizer
+    fmt = chat_format(tiny.processor)
+    words = [tok.encode(w, add_special_tokens=False) + [fmt.im_end] for w in SCRIPT]
+
+    def count(pil: Any) -> int:
+        return encode_image(tiny.processor, np.array(pil)).n_patches // fmt.merge**2
+
+    state = FakeVLLM(reply_ids=lambda call: words[min(call, len(words) - 1)], image_tokens=count,
+                     image_pad=fmt.image_pad)
+    for name, module in _fake_module(state).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    return state
+
+
+@pytest.fixture
+def vllm_session(fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path) -> Iterator[Session]:
+    """An in-process session whose sampler engine is the vLLM engine (over the fake)."""
+    session = create_session(str(tiny_dir), LORA, workdir=tmp_path / "s",
+                             engine=EngineSettings("vllm", gpu_memory_utilization=0.3))
+    yield session
+    session.close()
+
+
+def _two_turn_stream(tiny) -> Stream:
+    """System, observation, a reply (the oracle's move), a second observation: two different
+    images."""
+    fmt = chat_format(tiny.processor)
+    env = MazeEnv(SMALL)
+    obs, info = env.reset(options={"init_state": eval_set(5, 1)[0]})
+    stream = observe(start_stream(tiny.processor, fmt, system_prompt(SMALL)), tiny.processor,
+                     fmt, obs, info, SMALL)
+    word = format_action(oracle_actions(env.maze, env.pos)[0], SMALL.grammar)
+    reply = tiny.processor.tokenizer.encode(word, add_special_tokens=False) + [fmt.im_end]
+    stream = append_reply(stream, fmt, reply, [-0.5] * len(reply))
+    obs, _, _, _, info = env.step(word)
+    return observe(stream, tiny.processor, fmt, obs, info, SMALL)
+
+
+# ------------------------------------------------------------------ selection
+
+
+def test_vllm_missing_raises_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    with pytest.raises(ImportError) as err:
+        make_engine(EngineSettings("vllm"), None, 8, tmp_path)
+    msg = str(err.value)
+    assert "generator.engine=vllm" in msg and "pip install vllm==0.33.0" in msg
+    assert "generator.engine=transformers" in msg  # what to use instead on CPU
+
+
+def test_config_selects_engine_with_skyrl_alias() -> None:
+    assert RunConfig().generator.engine == "transformers"
+    assert apply_overrides(RunConfig(), ["generator.engine=vllm"]).generator.engine == "vllm"
+    assert apply_overrides(RunConfig(), ["generator.backend=vllm"]).generator.engine == "vllm"
+    with pytest.raises(ConfigError, match=r"generator\.engine.*'transformers', 'vllm'"):
+        apply_overrides(RunConfig(), ["generator.engine=sglang"])
+
+
+def test_default_engine_is_transformers(tiny, tmp_path: Path) -> None:
+    engine = make_engine(EngineSettings(), tiny, 8, tmp_path)
+    assert isinstance(engine, TransformersEngine) and engine.name == "transformers"
+    with pytest.raises(ValueError, match="generator.engine='nope'"):
+        make_engine(EngineSettings("nope"), tiny, 8, tmp_path)
+
+
+def test_vllm_engine_needs_lora(fake_vllm: FakeVLLM, tiny, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs LoRA"):
+        make_engine(EngineSettings("vllm"), tiny, None, tmp_path)
+
+
+# ------------------------------------------------------------------ requests
+
+
+def test_prompt_keeps_stream_tokens_and_images_in_order(tiny) -> None:
+    stream = _two_turn_stream(tiny)
+    fmt = chat_format(tiny.processor)
+    assert len(stream.images) == 2
+    prompt = vllm_prompt(stream)
+    ids = prompt["prompt_token_ids"]
+    assert ids == prompt_token_ids(stream)
+    assert ids.count(fmt.image_pad) == 2  # one pad per image: vLLM expands each
+    assert [t for t in ids if t != fmt.image_pad] == \
+        [t for t, kind in zip(stream.tokens_T, stream.mm_types_T) if kind == 0]
+    assert expand_image_pads(ids, stream.images, fmt) == stream.tokens_T  # identical tokens
+    sent = prompt["multi_modal_data"]["image"]
+    assert len(sent) == 2
+    for pil, image in zip(sent, stream.images):
+        assert np.array_equal(np.asarray(pil), image.image_HW3)
+    assert not np.array_equal(np.asarray(sent[0]), np.asarray(sent[1]))  # the agent moved
+
+
+def test_prompt_needs_the_raw_image(tiny) -> None:
+    stream = _two_turn_stream(tiny)
+    bare = Stream(stream.tokens_T, stream.mm_types_T, stream.loss_mask_T, stream.logprobs_T,
+                  tuple(type(i)(i.pixel_values, i.grid_thw) for i in stream.images))
+    with pytest.raises(ValueError, match="image_HW3"):
+        vllm_prompt(bare)
+
+
+def test_prompt_mismatch_raises(tiny) -> None:
+    stream = _two_turn_stream(tiny)
+    check_prompt(stream.tokens_T, stream)
+    with pytest.raises(RuntimeError, match="image processor"):
+        check_prompt(prompt_token_ids(stream), stream)
+
+
+def test_llm_built_with_lora_prefix_caching_and_memory_share(vllm_session: Session,
+                                                             fake_vllm: FakeVLLM) -> None:
+    (kwargs,) = fake_vllm.llm_kwargs
+    host = vllm_session.host
+    assert isinstance(host.engine, VLLMEngine)
+    assert kwargs["model"] == host.lm.path and kwargs["dtype"] == "float32"
+    assert kwargs["enable_lora"] is True and kwargs["max_lora_rank"] == 8
+    assert kwargs["enable_prefix_caching"] is True
+    assert kwargs["gpu_memory_utilization"] == 0.3
+    assert kwargs["logprobs_mode"] == "processed_logprobs"
+    assert kwargs["limit_mm_per_prompt"] == {"image": 16}
+    assert [max_lora_rank(r) for r in (4, 8, 20, 32)] == [8, 8, 32, 32]
+
+
+def test_sample_sends_version_adapter_and_params(vllm_session: Session, fake_vllm: FakeVLLM,
+                                                 tiny) -> None:
+    fmt = chat_format(tiny.processor)
+    prompt = _two_turn_stream(tiny)
+    tc = vllm_session.training_client
+    v0 = tc.save_weights_and_get_sampling_client()
+    params = SamplingParams(max_tokens=3, temperature=0.7)
+    got = v0.sample(prompt, 3, params, seed=5).result().sequences
+    call = fake_vllm.calls[-1]
+    assert [p["prompt_token_ids"] for p in call["prompts"]] == [prompt_token_ids(prompt)] * 3
+    for sp in call["params"]:
+        assert (sp.temperature, sp.max_tokens, sp.logprobs) == (0.7, 3, 0)
+        assert sp.stop_token_ids == [fmt.im_end] and sp.detokenize is False
+        assert sp.logit_bias == {t: BAN_BIAS for t in fmt.banned}
+    seeds = [sp.seed for sp in call["params"]]
+    assert len(set(seeds)) == 3 and all(isinstance(s, int) for s in seeds)
+    folder = vllm_session.host.engine.adapter_folder(v0.version)
+    lora = call["lora"]
+    assert (lora.lora_name, lora.lora_int_id, lora.lora_path) == ("v0", 1, str(folder))
+    # the folder is the PEFT export vLLM loads: config + safetensors, language-model keys only
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert keys and all(k.startswith("base_model.model.model.language_model.layers.")
+                        and k.endswith((".lora_A.weight", ".lora_B.weight")) for k in keys)
+    # completions map back to our records
+    right = tiny.processor.tokenizer.encode("right", add_special_tokens=False)
+    expected = [fake_vllm.logprob(0, k) for k in range(len(right) + 1)]
+    assert got == [Completion(right + [fmt.im_end], expected, "stop")] * 3
+    # same seed, same request seeds; a new version gets its own adapter and id
+    v0.sample(prompt, 3, params, seed=5).result()
+    assert [sp.seed for sp in fake_vllm.calls[-1]["params"]] == seeds
+    stream = append_reply(prompt, fmt, got[0].tokens, got[0].logprobs)
+    tc.forward_backward([datum_from_stream(stream, 1.0)], "importance_sampling")
+    tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+    v1 = tc.save_weights_and_get_sampling_client()
+    v1.sample(prompt, 1, params).result()
+    lora = fake_vllm.calls[-1]["lora"]
+    assert (lora.lora_name, lora.lora_int_id) == ("v1", 2)
+    assert lora.lora_path == str(vllm_session.host.engine.adapter_folder(1))
+    v0.sample(prompt, 1, params).result()  # an older client still samples its own version
+    assert fake_vllm.calls[-1]["lora"].lora_name == "v0"
+
+
+def test_ray_sampler_engine_installs_versions_as_adapters(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                         tmp_path: Path, tiny) -> None:
+    """The Ray SamplerEngine actor's class (used here without Ray) with generator.engine=vllm:
+    a version sent by the trainer is exported and sampled by its LoRARequest."""
+    from workbench.cluster.workers import SamplerEngine
+    from workbench.session.inprocess import _snapshot
+
+    actor = SamplerEngine(str(tiny_dir), LORA, str(tmp_path / "e"), torch.float32, "cpu", 0.3,
+                          "vllm")
+    assert isinstance(actor.host.engine, VLLMEngine)
+    assert actor.install((3, _snapshot(actor.host))) == 3
+    actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
+    lora = fake_vllm.calls[-1]["lora"]
+    assert (lora.lora_name, lora.lora_int_id) == ("v3", 4)
+    assert (Path(lora.lora_path) / "adapter_model.safetensors").is_file()
+
+
+def test_completion_without_stop_is_length() -> None:
+    out = FakeOutput([5, 6], [{5: types.SimpleNamespace(logprob=-1.0)},
+                              {6: types.SimpleNamespace(logprob=-2.0)}], "length")
+    fmt = types.SimpleNamespace(im_end=99)
+    assert to_completion(out, fmt) == Completion([5, 6], [-1.0, -2.0], "length")
+
+
+# ------------------------------------------------------------------ a rollout end to end
+
+
+def test_rollout_runs_the_multi_turn_loop_on_the_engine(vllm_session: Session,
+                                                        fake_vllm: FakeVLLM, tiny) -> None:
+    fmt = chat_format(tiny.processor)
+    sampler = vllm_session.training_client.save_weights_and_get_sampling_client()
+    states = eval_set(5, 2)
+    episodes_P_G = sampler.rollout(SMALL, states, 2, SamplingParams(max_tokens=3), 0).result()
+    assert [len(g) for g in episodes_P_G] == [2, 2]
+    assert len(fake_vllm.calls) == len(SCRIPT)  # one generate per turn, all rows batched
+    for call in fake_vllm.calls:
+        assert len(call["prompts"]) == 4 and call["lora"].lora_name == "v0"
+    for p, group in enumerate(episodes_P_G):
+        for g, ep in enumerate(group):
+            assert ep.replies == list(SCRIPT)
+            assert ep.actions[-1].kind == "stop"
+            stream = ep.stream
+            assert len(stream.images) == len(SCRIPT)  # an image before each reply
+            # each turn's request is the episode's stream so far (append-only, exact tokens)
+            for t, call in enumerate(fake_vllm.calls):
+                sent = call["prompts"][p * 2 + g]
+                ids = expand_image_pads(sent["prompt_token_ids"], stream.images[:t + 1], fmt)
+                assert stream.tokens_T[:len(ids)] == ids
+                assert len(sent["multi_modal_data"]["image"]) == t + 1
+            # sampled tokens and their log-probs are the fake's, on the trainable positions
+            mask_T = stream.loss_mask_T
+            replies = [fake_vllm.reply_ids(t) for t in range(len(SCRIPT))]
+            assert [tok for tok, m in zip(stream.tokens_T, mask_T) if m] == sum(replies, [])
+            assert [lp for lp, m in zip(stream.logprobs_T, mask_T) if m] == pytest.approx(
+                [fake_vllm.logprob(t, k) for t, reply in enumerate(replies)
+                 for k in range(len(reply))])
+
+
+# ------------------------------------------------------------------ real vLLM (GPU only)
+
+
+def _real_vllm() -> bool:
+    try:
+        import vllm  # noqa: F401
+    except Exception:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (never run: vllm cannot "
+                    "be installed on the CPU machine nor on the H200 machine available)")
+def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path) -> None:
+    """On a GPU with vllm: a rollout through vLLM, then the trainer re-scores the sampled tokens;
+    the sampler's log-probs must agree (the request glue and the logprobs_mode are right)."""
+    session = create_session(str(tiny_dir), LORA, workdir=tmp_path / "gpu", device="cuda",
+                             engine=EngineSettings("vllm", gpu_memory_utilization=0.3))
+    try:
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        episodes = sampler.rollout(SMALL, eval_set(5, 2), 2, SamplingParams(max_tokens=3),
+                                   0).result()
+        for ep in (e for group in episodes for e in group):
+            rescored = sampler.compute_logprobs(ep.stream).result()
+            diffs = [abs(a - b) for a, b, m in
+                     zip(ep.stream.logprobs_T, rescored, ep.stream.loss_mask_T) if m]
+            assert max(diffs) < 2e-2
+    finally:
+        session.close()

@@ -1,0 +1,161 @@
+"""Sampler engines: one seam between the rollout loop and whatever draws the tokens.
+
+The multi-turn loop (`rl.rollout.play_model`) and the session's `sample` drive an engine through
+a batch of live rows, and nothing else:
+
+    rows = engine.open(prompts_P, n)            # P prompt streams, each repeated n times: B rows
+    completions_B = rows.decode(params, generator)
+    rows.advance(keep, streams_B)               # keep rows `keep` (by position); streams_B are
+                                                # their grown streams (reply + next observation)
+
+Two engines stand behind it, picked by `generator.engine`:
+- `transformers` (default, CPU and GPU): our KV-cached batched sampler (`policy.sampler`) over the
+  host's model; a weights version is copied into that model by the session, so the version hooks
+  do nothing here.
+- `vllm` (GPU only, `policy.vllm_engine`): vLLM with prefix caching; each version's LoRA adapter
+  is exported as a PEFT folder and sent as a LoRARequest.
+
+The version hooks (`add_version`, `use_version`, `drop_version`) are called by the session when
+it snapshots, selects and prunes sampler weight versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from workbench.policy.sampler import (
+    Completion,
+    LiveBatch,
+    SamplingParams,
+    decode,
+    extend,
+    open_batch,
+    repeat_rows,
+    select_rows,
+)
+from workbench.policy.stream import Stream, chat_format
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Which sampler engine a model host builds, and the GPU engine's knobs."""
+
+    name: str = "transformers"  # transformers | vllm (generator.engine)
+    gpu_memory_utilization: float = 0.5  # vLLM's GPU share (generator.gpu_memory_utilization)
+    max_images: int = 16  # images per prompt vLLM makes room for (one per turn: max_turns)
+    max_model_len: int = 8192  # vLLM's context length in tokens
+    seed: int = 0  # vLLM's engine seed (each request also gets a seed from the rollout's generator)
+
+
+class Rows(Protocol):
+    """A batch of live rows inside an engine (one per episode still playing)."""
+
+    def decode(self, params: SamplingParams,
+               generator: torch.Generator | None = None) -> list[Completion]:
+        """One reply per row: completions_B."""
+        ...
+
+    def advance(self, keep: list[int], streams_B: list[Stream]) -> None:
+        """Keep rows `keep` (positions in the current batch); streams_B[b] is kept row b's
+        stream, grown by the reply and the next observation."""
+        ...
+
+
+class Engine(Protocol):
+    """A sampler engine: opens batches of rows; follows the session's weight versions."""
+
+    name: str
+
+    def open(self, prompts_P: list[Stream], n: int) -> Rows:
+        """Rows for P prompts, each repeated n times (row p * n + g is sample g of prompt p)."""
+        ...
+
+    def add_version(self, version: int, model: Any) -> None:
+        """`model` (the peft policy) now holds weights version `version`."""
+        ...
+
+    def use_version(self, version: int) -> None:
+        """Sample from weights version `version` from now on."""
+        ...
+
+    def drop_version(self, version: int) -> None:
+        """Version `version` will not be used again."""
+        ...
+
+
+@dataclass
+class TransformersRows:
+    """Rows of the transformers engine: one batched KV cache (`LiveBatch`)."""
+
+    engine: TransformersEngine
+    live: LiveBatch
+
+    def decode(self, params: SamplingParams,
+               generator: torch.Generator | None = None) -> list[Completion]:
+        """One reply per row from the cached state."""
+        e = self.engine
+        return decode(e.lm.model, self.live, e.fmt, params, generator)
+
+    def advance(self, keep: list[int], streams_B: list[Stream]) -> None:
+        """Drop the rows not kept, then prefill each kept row's new tokens."""
+        select_rows(self.live, keep)
+        extend(self.engine.lm.model, self.live, streams_B, self.engine.pad_id)
+
+
+class TransformersEngine:
+    """Our KV-cached batched sampler over `lm.model` (CPU or GPU)."""
+
+    name = "transformers"
+
+    def __init__(self, lm: Any) -> None:
+        self.lm = lm  # read lm.model at each call: the session may re-wrap it
+        self.fmt = chat_format(lm.processor)
+        self.pad_id: int = lm.processor.tokenizer.pad_token_id
+
+    def open(self, prompts_P: list[Stream], n: int) -> TransformersRows:
+        """Prefill each prompt once, then share its cache among its n rows."""
+        live = open_batch()
+        extend(self.lm.model, live, prompts_P, self.pad_id)
+        repeat_rows(live, n)
+        return TransformersRows(self, live)
+
+    def add_version(self, version: int, model: Any) -> None:
+        """Nothing to do: the session copies a version's weights into the model itself."""
+
+    def use_version(self, version: int) -> None:
+        """Nothing to do: the model already holds the version's weights."""
+
+    def drop_version(self, version: int) -> None:
+        """Nothing to do."""
+
+
+EngineBuilder = Callable[[Any, EngineSettings, int | None, Path], Engine]
+
+
+def _transformers(lm: Any, settings: EngineSettings, lora_rank: int | None,
+                  adapter_root: Path) -> Engine:
+    return TransformersEngine(lm)
+
+
+def _vllm(lm: Any, settings: EngineSettings, lora_rank: int | None,
+          adapter_root: Path) -> Engine:
+    from workbench.policy.vllm_engine import VLLMEngine
+
+    return VLLMEngine(lm, settings, lora_rank, adapter_root)
+
+
+ENGINES: dict[str, EngineBuilder] = {"transformers": _transformers, "vllm": _vllm}
+
+
+def make_engine(settings: EngineSettings, lm: Any, lora_rank: int | None,
+                adapter_root: Path) -> Engine:
+    """The engine `settings.name` over the loaded model `lm` (lora_rank None: full fine-tuning;
+    adapter_root: where an engine that loads adapters from disk writes them)."""
+    if settings.name not in ENGINES:
+        raise ValueError(f"generator.engine={settings.name!r} is not one of {sorted(ENGINES)}")
+    return ENGINES[settings.name](lm, settings, lora_rank, Path(adapter_root))

@@ -1,0 +1,203 @@
+"""Decode steps replayed as CUDA graphs over a KV pool that lives as long as the engine.
+
+The eager sampler (`policy.sampler`) launches every kernel of a one-token step from Python: for an
+8B model that is thousands of launches, and the GPU waits on Python (FACTS: ~77 ms a step, 5% of
+the bandwidth bound). Here a step reads only fixed-address buffers, so it is captured once and
+replayed:
+
+- the KV cache is a pool of `PoolLayer`s (rows x capacity, allocated once, kept across rollouts;
+  dropped rows are compacted to the front in place, so addresses never move);
+- the step's inputs (token, M-RoPE position, write column, 4-D mask) are static device buffers;
+- attention reads the first `window` columns, `window` = the filled length rounded up to
+  `bucket`, so one graph serves `bucket` steps and the cache is never read far past its end;
+- one graph per (rows, window, pool generation), captured on first use; the warm-up run of a
+  capture is the real step (a step only writes column n, so running it twice is harmless).
+
+Prefill (`extend`) stays eager: one call a turn. Sampling from the logits stays eager too (a few
+kernels). Without CUDA (`use_graphs=False`) the same static step runs eagerly: that is what the
+CPU tests check against the eager sampler.
+
+    static = make_static_decode(lm.model, rows=64, capacity=2048)
+    engine = GraphEngine(lm, static)       # a TransformersEngine whose rows decode by replay
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+
+import torch
+
+from workbench.policy.engine import TransformersEngine, TransformersRows
+from workbench.policy.kvcache import pool_cache
+from workbench.policy.sampler import LiveBatch, extend, repeat_rows
+from workbench.policy.stream import Stream
+
+
+@dataclass
+class StaticBuffers:
+    """Fixed-address inputs of a decode step for up to R rows and C cache columns."""
+
+    ids_R1: torch.Tensor
+    pos_3R1: torch.Tensor
+    index_1: torch.Tensor  # the cache column this step writes
+    mask_R11C: torch.Tensor  # bool, True = attend
+    generation: int  # the pool generation these were sized for
+
+
+@dataclass
+class StaticDecode:
+    """The pool, the step buffers and the captured graphs of one engine."""
+
+    cache: Any  # transformers Cache of PoolLayers
+    bucket: int = 256  # window granularity in cache columns
+    use_graphs: bool = True  # False: run the static step eagerly (CPU)
+    graphs: dict = field(default_factory=dict)  # (rows, window, generation) -> (graph, logits)
+    buffers: StaticBuffers | None = None
+    mempool: Any = None  # one graph memory pool shared by all captures
+    captures: int = 0
+    capture_seconds: float = 0.0
+    error: str = ""  # why graphs were switched off, if they were
+
+    @property
+    def generation(self) -> int:
+        return self.cache.layers[0].generation
+
+
+def make_static_decode(model: Any, rows: int, capacity: int, bucket: int = 256,
+                       use_graphs: bool | None = None) -> StaticDecode:
+    """A pool for `rows` rows x `capacity` tokens (grown if a batch needs more); graphs on CUDA."""
+    layers = model.config.text_config.num_hidden_layers
+    capacity = -(-capacity // bucket) * bucket
+    on_cuda = model.device.type == "cuda"
+    return StaticDecode(cache=pool_cache(layers, rows, capacity), bucket=bucket,
+                        use_graphs=on_cuda if use_graphs is None else use_graphs)
+
+
+def open_static(static: StaticDecode) -> LiveBatch:
+    """An empty LiveBatch over the engine's pool whose decode steps go through `static_feed`."""
+    for layer in static.cache.layers:
+        layer.reset()
+    return LiveBatch(cache=static.cache, feed=partial(static_feed, static))
+
+
+def reset_graphs(static: StaticDecode) -> None:
+    """Drop every captured graph and their memory pool (the next step captures afresh). The pool
+    handle goes too: capturing into a pool whose graphs were freed trips an internal assert of
+    PyTorch 2.11's caching allocator (seen on the H200, 2026-11-29)."""
+    static.graphs.clear()
+    static.mempool = None
+
+
+def _buffers(static: StaticDecode, device: torch.device) -> StaticBuffers:
+    first = static.cache.layers[0]
+    R, C = first._k.shape[0], first._k.shape[2]
+    b = static.buffers
+    if b is None or b.generation != static.generation:
+        reset_graphs(static)  # captured against buffers that are gone
+        b = StaticBuffers(
+            ids_R1=torch.zeros(R, 1, dtype=torch.long, device=device),
+            pos_3R1=torch.zeros(3, R, 1, dtype=torch.long, device=device),
+            index_1=torch.zeros(1, dtype=torch.long, device=device),
+            mask_R11C=torch.zeros(R, 1, 1, C, dtype=torch.bool, device=device),
+            generation=static.generation,
+        )
+        static.buffers = b
+    return b
+
+
+def _step(model: Any, static: StaticDecode, rows: int, window: int) -> torch.Tensor:
+    """One decode step over the static buffers: writes column index_1, returns logits (B, 1, V)."""
+    b = static.buffers
+    out = model(
+        input_ids=b.ids_R1[:rows],
+        attention_mask=b.mask_R11C[:rows, :, :, :window],
+        position_ids=b.pos_3R1[:, :rows],
+        past_key_values=static.cache,
+        use_cache=True,
+    )
+    return out.logits
+
+
+def _capture(model: Any, static: StaticDecode, rows: int, window: int) -> tuple[Any, Any]:
+    """Warm up (this runs the real step) and capture the step for (rows, window)."""
+    start = time.perf_counter()
+    if static.mempool is None:
+        static.mempool = torch.cuda.graph_pool_handle()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            _step(model, static, rows, window)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=static.mempool):
+        logits = _step(model, static, rows, window)
+    static.captures += 1
+    static.capture_seconds += time.perf_counter() - start
+    return graph, logits
+
+
+def _run_step(model: Any, static: StaticDecode, rows: int, window: int) -> torch.Tensor:
+    """Replay (capturing on first use) or, without graphs, run the static step eagerly."""
+    if not static.use_graphs:
+        return _step(model, static, rows, window)
+    key = (rows, window, static.generation)
+    if key not in static.graphs:
+        try:
+            static.graphs[key] = _capture(model, static, rows, window)
+        except Exception as err:  # noqa: BLE001 - any capture failure: fall back, say why
+            static.use_graphs, static.error = False, f"{type(err).__name__}: {err}"
+            torch.cuda.synchronize()
+            return _step(model, static, rows, window)
+    graph, logits = static.graphs[key]
+    graph.replay()
+    return logits
+
+
+def static_feed(static: StaticDecode, model: Any, live: LiveBatch, tok_B: torch.Tensor,
+                real_B: torch.Tensor) -> None:
+    """`sampler._feed` over the pool: append one token per row (holes where real_B is False)."""
+    B, n, device = live.rows, live.mask_BL.shape[1], model.device
+    window = -(-(n + 1) // static.bucket) * static.bucket
+    layers = static.cache.layers
+    for layer in layers:
+        layer._reserve(layer._k, B, window)  # grows only if the batch outgrew the pool
+    b = _buffers(static, device)
+    live.mask_BL = torch.cat([live.mask_BL, real_B.long()[:, None]], dim=1)
+    b.ids_R1[:B, 0].copy_(tok_B)
+    b.pos_3R1[:, :B, 0].copy_(live.next_pos_B.view(1, B).expand(3, B))
+    b.index_1.fill_(n)
+    b.mask_R11C[:B, 0, 0, : n + 1].copy_(live.mask_BL.bool())
+    b.mask_R11C[:B, 0, 0, n + 1 : window] = False
+    for layer in layers:
+        layer.static = (b.index_1, window)
+    try:
+        logits_B1V = _run_step(model, static, B, window)
+    finally:
+        for layer in layers:
+            layer.static = None
+    for layer in layers:
+        layer.advance(1)
+    real_dev_B = real_B.to(device)
+    live.logits_BV = torch.where(real_dev_B[:, None], logits_B1V[:, -1].float(), live.logits_BV)
+    live.next_pos_B = live.next_pos_B + real_B.long()
+    live.consumed_B = [c + int(r) for c, r in zip(live.consumed_B, real_B.tolist())]
+
+
+class GraphEngine(TransformersEngine):
+    """The transformers engine with pooled KV and graph-replayed decode steps (one batch open
+    at a time: a new `open` empties the pool)."""
+
+    def __init__(self, lm: Any, static: StaticDecode) -> None:
+        super().__init__(lm)
+        self.static = static
+
+    def open(self, prompts_P: list[Stream], n: int) -> TransformersRows:
+        """Prefill each prompt once into the pool, then share its cache among its n rows."""
+        live = open_static(self.static)
+        extend(self.lm.model, live, prompts_P, self.pad_id)
+        repeat_rows(live, n)
+        return TransformersRows(self, live)

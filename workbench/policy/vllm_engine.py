@@ -1,0 +1,242 @@
+"""The vLLM sampler engine (GPU only), behind the same rows interface as the transformers engine.
+
+Selected by `generator.engine=vllm`; `play_model` and the SamplingClient run unchanged on it.
+Every decode sends each live row's whole stream as a token prompt; vLLM's prefix cache
+(`enable_prefix_caching=True`) finds the KV blocks it already holds - the system prompt, earlier
+turns, the G rows of one maze - so a turn prefills only its new tokens, as our KV cache does.
+
+What one row sends:
+
+    prompt   {"prompt_token_ids": the stream's tokens, each image's run of <|image_pad|> cut to
+                                  one pad (vLLM's Qwen3-VL processor expands a pad to the image's
+                                  token count, as the HF processor does from text),
+              "multi_modal_data": {"image": [the stream's RGB images, in order]}}
+    params   SamplingParams(temperature, max_tokens, logprobs=0 (the drawn token's log-prob),
+                            seed (drawn from the rollout's torch.Generator), stop_token_ids
+                            [<|im_end|>], logit_bias -100 on the banned vision/special tokens,
+                            detokenize=False)
+    adapter  LoRARequest("v{version}", version + 1, <PEFT folder of that version>)
+
+The LLM is built with logprobs_mode="processed_logprobs", so the log-probs are those of the
+distribution actually sampled from (temperature and bans applied): the rule the trainer uses.
+After generation the prompt vLLM ran (expanded) must equal the stream's tokens; a mismatch (its
+image processor counting a different number of image tokens than ours) raises rather than
+letting the update go silently off-policy.
+
+NOT RUN HERE: vllm 0.33.0 cannot be installed on the CPU machine nor on the H200 machine
+available. tests/test_vllm_engine.py checks this glue (requests built, completions read back, a
+rollout end to end) against a recording fake `vllm` module; a real-vLLM test there runs only
+where vllm imports and CUDA is available.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from workbench._deps import require
+from workbench.policy.engine import EngineSettings
+from workbench.policy.sampler import Completion, SamplingParams
+from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
+
+INSTALL_HINT = (
+    "generator.engine=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.33.0 "
+    "(or pip install 'workbench[gpu]'; it pins torch==2.14.0 and transformers<5.21). "
+    "On a CPU machine use generator.engine=transformers."
+)
+BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]: exp(-100) is zero for sampling
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
+
+
+def import_vllm() -> ModuleType:
+    """The vllm module, or ImportError naming the package and the config key."""
+    try:
+        return require("vllm")
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+
+
+def prompt_token_ids(stream: Stream) -> list[int]:
+    """The stream's tokens with each image's run of image tokens cut to its first token."""
+    prev_T = [0, *stream.mm_types_T[:-1]]
+    return [tok for tok, kind, prev in zip(stream.tokens_T, stream.mm_types_T, prev_T)
+            if not (kind == 1 and prev == 1)]
+
+
+def expand_image_pads(token_ids: list[int], images: tuple[VisionInput, ...], fmt: ChatFormat
+                      ) -> list[int]:
+    """Inverse of prompt_token_ids: each <|image_pad|> back to its image's token count (what
+    vLLM's processor does with the prompt)."""
+    counts = iter([image.n_patches // fmt.merge**2 for image in images])
+    out: list[int] = []
+    for tok in token_ids:
+        out.extend([tok] * next(counts) if tok == fmt.image_pad else [tok])
+    return out
+
+
+def _pil(image: VisionInput) -> Any:
+    from PIL import Image
+
+    if image.image_HW3 is None:
+        raise ValueError("the vLLM engine needs each image's RGB array (VisionInput.image_HW3, "
+                         "which policy.encode_image keeps); this stream was built without it")
+    return Image.fromarray(image.image_HW3)
+
+
+def vllm_prompt(stream: Stream, pil_cache: dict[int, Any] | None = None) -> dict[str, Any]:
+    """vLLM's TokensPrompt (a TypedDict: a plain dict) for one stream."""
+    prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids(stream)}
+    if stream.images:
+        cache = {} if pil_cache is None else pil_cache
+        for image in stream.images:
+            if cache.get(id(image), (None,))[0] is not image:
+                cache[id(image)] = (image, _pil(image))  # the image is kept: its id stays its own
+        prompt["multi_modal_data"] = {"image": [cache[id(image)][1] for image in stream.images]}
+    return prompt
+
+
+def sampling_params(vllm: ModuleType, params: SamplingParams, fmt: ChatFormat,
+                    seed: int | None) -> Any:
+    """vllm.SamplingParams for one row (temperature 0 = greedy, as in our sampler)."""
+    return vllm.SamplingParams(
+        temperature=max(params.temperature, 0.0),
+        max_tokens=params.max_tokens,
+        logprobs=0,  # 0 alternatives: only the sampled token's log-prob
+        seed=seed,
+        stop_token_ids=[fmt.im_end],
+        logit_bias={tok: BAN_BIAS for tok in fmt.banned},
+        detokenize=False,
+    )
+
+
+def lora_request(lora_cls: Any, version: int, folder: Path) -> Any:
+    """LoRARequest for weights version `version` (vLLM's ids start at 1: id = version + 1)."""
+    return lora_cls(lora_name=f"v{version}", lora_int_id=version + 1, lora_path=str(folder))
+
+
+def row_seeds(rows: int, generator: torch.Generator | None) -> list[int | None]:
+    """One request seed per row, drawn from the rollout's generator (None: vLLM's own RNG)."""
+    if generator is None:
+        return [None] * rows
+    return torch.randint(0, 2**31 - 1, (rows,), generator=generator).tolist()
+
+
+def to_completion(output: Any, fmt: ChatFormat) -> Completion:
+    """Our Completion from one vLLM CompletionOutput (token_ids; logprobs[t][token].logprob)."""
+    tokens = list(output.token_ids)
+    logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, tokens)]
+    return Completion(tokens, logprobs, "stop" if tokens and tokens[-1] == fmt.im_end else "length")
+
+
+def check_prompt(ran_ids: list[int], stream: Stream) -> None:
+    """vLLM must have run exactly the stream's tokens (same image token counts)."""
+    if list(ran_ids) != stream.tokens_T:
+        raise RuntimeError(
+            f"vLLM ran a prompt of {len(ran_ids)} tokens for a stream of {len(stream)}: its image "
+            "processor counted different image tokens than ours (check the model folder's "
+            "preprocessor_config.json: patch_size, merge_size, min/max pixels)")
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds `rank`."""
+    fits = [r for r in LORA_RANKS if r >= rank]
+    if not fits:
+        raise ValueError(f"LoRA rank {rank} exceeds vLLM's largest max_lora_rank {LORA_RANKS[-1]}")
+    return fits[0]
+
+
+def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
+                  dtype: str) -> dict[str, Any]:
+    """Keyword arguments of vllm.LLM for a LoRA sampler of `model_path`."""
+    return dict(
+        model=model_path, tokenizer=model_path, dtype=dtype, seed=settings.seed,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enable_prefix_caching=True,  # multi-turn prefixes and the G rows of a maze are reused
+        enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1,
+        max_model_len=settings.max_model_len,
+        limit_mm_per_prompt={"image": settings.max_images},
+        logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
+    )
+
+
+@dataclass
+class VLLMRows:
+    """Rows of the vLLM engine: just the live streams (vLLM's prefix cache holds the KV)."""
+
+    engine: VLLMEngine
+    streams_B: list[Stream]
+    pil_cache: dict[int, Any] = field(default_factory=dict)  # id -> (VisionInput, PIL)
+
+    def decode(self, params: SamplingParams,
+               generator: torch.Generator | None = None) -> list[Completion]:
+        """One reply per row."""
+        return self.engine.generate(self.streams_B, params, generator, self.pil_cache)
+
+    def advance(self, keep: list[int], streams_B: list[Stream]) -> None:
+        """The kept rows' grown streams replace the batch."""
+        if len(keep) != len(streams_B):
+            raise ValueError(f"{len(keep)} rows kept but {len(streams_B)} streams given")
+        self.streams_B = list(streams_B)
+
+
+class VLLMEngine:
+    """vllm.LLM over the base model; samples with the LoRA adapter of the version in use."""
+
+    name = "vllm"
+
+    def __init__(self, lm: Any, settings: EngineSettings, lora_rank: int | None,
+                 adapter_root: Path) -> None:
+        self.vllm = import_vllm()
+        if lora_rank is None:
+            raise ValueError("generator.engine=vllm samples LoRA adapters by version, so it "
+                             "needs LoRA; full fine-tuning samples with generator.engine="
+                             "transformers")
+        self.lora_cls = importlib.import_module("vllm.lora.request").LoRARequest
+        self.fmt = chat_format(lm.processor)
+        self.adapter_root = Path(adapter_root)
+        self.version: int | None = None  # None: the base model, no adapter
+        dtype = str(lm.model.dtype).removeprefix("torch.")
+        self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype))
+
+    def adapter_folder(self, version: int) -> Path:
+        """Where version `version`'s PEFT adapter is written."""
+        return self.adapter_root / f"v{version}"
+
+    def add_version(self, version: int, model: Any) -> None:
+        """Export the peft model's adapter (adapter_config.json + adapter_model.safetensors)."""
+        model.save_pretrained(str(self.adapter_folder(version)))
+
+    def use_version(self, version: int) -> None:
+        """Sample with version `version`'s adapter from now on."""
+        if not (self.adapter_folder(version) / "adapter_config.json").is_file():
+            raise FileNotFoundError(f"no adapter for sampler version {version} in "
+                                    f"{self.adapter_root} (add_version was not called)")
+        self.version = version
+
+    def drop_version(self, version: int) -> None:
+        """Delete the version's folder (vLLM's LRU evicts the loaded copy: max_loras=1)."""
+        shutil.rmtree(self.adapter_folder(version), ignore_errors=True)
+
+    def open(self, prompts_P: list[Stream], n: int) -> VLLMRows:
+        """Rows p * n + g = prompt p (prefix caching shares its prefill among the n)."""
+        return VLLMRows(self, [s for s in prompts_P for _ in range(n)])
+
+    def generate(self, streams_B: list[Stream], params: SamplingParams,
+                 generator: torch.Generator | None = None,
+                 pil_cache: dict[int, Any] | None = None) -> list[Completion]:
+        """One reply per stream: completions_B."""
+        prompts_B = [vllm_prompt(s, pil_cache) for s in streams_B]
+        params_B = [sampling_params(self.vllm, params, self.fmt, seed)
+                    for seed in row_seeds(len(streams_B), generator)]
+        lora = None if self.version is None else \
+            lora_request(self.lora_cls, self.version, self.adapter_folder(self.version))
+        outputs_B = self.llm.generate(prompts_B, params_B, lora_request=lora, use_tqdm=False)
+        for out, stream in zip(outputs_B, streams_B):
+            check_prompt(out.prompt_token_ids, stream)
+        return [to_completion(out.outputs[0], self.fmt) for out in outputs_B]
