@@ -133,3 +133,30 @@ def test_grpo_improves_success_on_a_fixed_set(sft_model: str, tmp_path: Path) ->
     evals = [r for r in read_metrics(tmp_path / "e2e") if "eval/greedy_solved" in r]
     assert [r["step"] for r in evals] == [0, 3, 6]
     assert evals[-1]["eval/greedy_solved"] >= evals[0]["eval/greedy_solved"] + 3, evals
+
+
+def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,
+                                        tmp_path: Path) -> None:
+    """trainer.gradient_checkpointing and trainer.loss_tokens_only change how the update is
+    computed, not what it is: step 1 matches the plain run (same rollout, same loss, grads)."""
+    from workbench.rl.train import train
+
+    extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
+                      "trainer.gradient_checkpointing=true", "trainer.loss_tokens_only=true"]
+    config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the CLI run of straight_run (OMP_NUM_THREADS=1)
+    try:
+        trainer = train(config, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert trainer.session.host.loss_tokens_only
+    assert trainer.session.host.lm.model.is_gradient_checkpointing
+    [fast] = [r for r in read_metrics(tmp_path) if r["step"] == 1 and "reward/mean" in r]
+    [plain] = [r for r in read_metrics(straight_run) if r["step"] == 1 and "reward/mean" in r]
+    assert fast["update/datums"] > 0
+    for key, value in _comparable([plain])[0].items():
+        if key.startswith("update/"):
+            assert fast[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        else:
+            assert fast[key] == value, key

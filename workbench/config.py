@@ -85,6 +85,10 @@ class GeneratorConfig:
     engine: str = "transformers"
     """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
     the vllm package; prefix caching, LoRA adapters loaded by version). SkyRL: generator.backend."""
+    cuda_graphs: bool = True
+    """On a CUDA device, in-process: decode steps replayed as CUDA graphs over a KV pool sized
+    for the rollout, with grouped-query decode attention (workbench/session/gpu.py). Ignored on
+    CPU and by the vllm engine."""
     num_engines: int = 1
     """M: sampler actors on a Ray cluster; a rollout's mazes are spread over them (SkyRL:
     generator.num_inference_engines). Ignored in-process."""
@@ -140,6 +144,12 @@ class TrainerConfig:
     colocate_all: bool = True
     """Trainer worker i and sampler engine i share placement-group bundle i (fractional GPU);
     false gives them separate bundles (SkyRL: trainer.placement.colocate_all)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them (the 8B shape
+    needs it on one GPU; SkyRL: trainer.gradient_checkpointing). Same gradients, more time."""
+    loss_tokens_only: bool = False
+    """Run the lm_head only on tokens that carry loss weight (the replies): at Qwen's 151,936
+    vocabulary this saves most of the output layer's time and memory. Same loss and gradients."""
     strategy: str = "ddp"
     """Data-parallel strategy of the trainer actors: ddp (replicas, gradients all-reduced) |
     fsdp (GPU only: the frozen base is sharded over the workers, LoRA weights all-reduced)."""

@@ -139,7 +139,9 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
     c, g = config.cluster, config.generator
     if not c.address:
         engine = EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns)
-        return create_session(**model, engine=engine)
+        session = create_session(**model, engine=engine)
+        apply_speed_settings(session.host, config)
+        return session
     from workbench.cluster import connect, create_ray_session
 
     connect(c.address, c.num_cpus, c.num_gpus, c.dashboard, c.temp_dir or None, log=log)
@@ -149,6 +151,23 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
         strategy=config.trainer.strategy,
         gpu_memory_utilization=g.gpu_memory_utilization, engine=g.engine,
         cpus_per_actor=c.cpus_per_actor, threads_per_actor=c.threads_per_actor)
+
+
+def apply_speed_settings(host: Any, config: RunConfig) -> None:
+    """trainer.gradient_checkpointing, trainer.loss_tokens_only and, on a CUDA device with our
+    sampler, generator.cuda_graphs (session/gpu.py) on an in-process host."""
+    t, g = config.trainer, config.generator
+    if config.model.device.startswith("cuda") and g.engine == "transformers" and g.cuda_graphs:
+        from workbench.session.gpu import GpuSettings, configure_gpu
+
+        configure_gpu(host, GpuSettings(kv_rows=t.train_batch_size * g.n_samples_per_prompt,
+                                        gradient_checkpointing=t.gradient_checkpointing,
+                                        loss_tokens_only=t.loss_tokens_only))
+        return
+    host.loss_tokens_only = t.loss_tokens_only
+    if t.gradient_checkpointing:
+        host.lm.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def start(config: RunConfig, log: Any = print) -> Trainer:
