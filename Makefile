@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup chromium test demo demo-long bench lint lab lock clean
+.PHONY: setup chromium test demo demo-long bench bench-scale bench-trl bench-gpu lint lab lock clean
 
 setup: $(STAMP) chromium
 
@@ -39,6 +39,18 @@ demo-long: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench.py
+
+# The issue-7 benchmarks (figures in benchmarks/RESULTS.md). Run each alone on the machine.
+bench-scale: setup
+	$(BIN)/python benchmarks/scale.py --out runs/bench/scale.json --plot docs/scale_cpu.png
+
+bench-trl: setup
+	bash benchmarks/trl_env.sh
+	benchmarks/.trl-venv/bin/python benchmarks/trl_compare.py --plot docs/trl_compare.png
+
+# On a CUDA machine (the H200 runs used its own python3: torch 2.11, transformers 5.17).
+bench-gpu:
+	python3 benchmarks/gpu.py --out runs/bench/gpu
 
 # JupyterLab over notebooks/ on this project's kernel (python3 resolves to .venv's python).
 lab: setup

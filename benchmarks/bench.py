@@ -248,7 +248,7 @@ def _demo_step(tc, config, step: int) -> float:
     return time.perf_counter() - t0
 
 
-def bench_ray(steps: int = 4, threads: int = 2) -> dict[str, float]:
+def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:
     """Median seconds per GRPO step of the demo shape (8 mazes x 8 samples, 7x7, 15 turns, LoRA
     32), in-process and on a local Ray instance (1 trainer + 1 engine colocated, `threads` torch
     threads each, as in-process), the same steps alternated after one warm-up step each; then
@@ -297,12 +297,12 @@ def bench_ray(steps: int = 4, threads: int = 2) -> dict[str, float]:
     return out
 
 
-def print_ray() -> None:
+def print_ray(steps: int = 3) -> None:
     """Run bench_ray and print its figures."""
-    r = bench_ray()
+    r = bench_ray(steps)
     local, ray_s = r["step_s/in-process"], r["step_s/ray"]
     print("GRPO step, demo shape (8 mazes x 8 samples, 7x7, 15 turns, LoRA 32, 2 threads), "
-          f"median of 4 alternated: in-process {local:.2f} s, local Ray {ray_s:.2f} s "
+          f"median of {steps} alternated: in-process {local:.2f} s, local Ray {ray_s:.2f} s "
           f"(overhead {100 * (ray_s / local - 1):+.1f}%)")
     for engines, label in ((1, "1 engine x 2 threads"), (2, "2 engines x 1 thread")):
         print(f"  rollout of 64 episodes, {label}: {r[f'rollout_episodes_per_s/{engines}']:.1f} "

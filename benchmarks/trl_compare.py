@@ -24,7 +24,7 @@ samples with seed r on both sides), both at `--threads` torch threads (default 1
 runs/bench/trl_compare.json: median seconds a step (the first step of each run left out),
 steps/s, sampled (completion) tokens/s, all tokens/s (P x G x prompt + completion tokens: the
 task's work, the same count for both), the workbench/TRL ratio, per-phase seconds, the reward per
-step of each run and per pass over the pool. See benchmarks/results_trl.md for the figures.
+step of each run and per pass over the pool. See benchmarks/RESULTS.md for the figures.
 
     bash benchmarks/trl_env.sh                      # TRL's venv, once (benchmarks/.trl-venv)
     benchmarks/.trl-venv/bin/python benchmarks/trl_compare.py --plot docs/trl_compare.png

@@ -205,6 +205,8 @@ def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
     assert (cfg.env.px_per_cell, cfg.env.grammar, cfg.env.reward) == (25, "tuple", "stop_on_goal")
     assert cfg.env.format_weight == 0.2  # reward 0.8 task + 0.2 format
     assert cfg.sft.full_finetune is False
+    assert cfg.trainer.gradient_checkpointing and cfg.trainer.loss_tokens_only  # 8B on one GPU
+    assert cfg.generator.cuda_graphs
 
 
 # ------------------------------------------------------------------------- help text
