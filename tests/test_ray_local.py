@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import operator
 import os
 import signal
 import time
@@ -34,6 +35,7 @@ from workbench.rl.phases import global_weights
 from workbench.rl.train import train
 from workbench.run import read_metrics
 from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
+from workbench.session.gpu import SpeedSettings
 from workbench.session.inprocess import _snapshot
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
@@ -286,14 +288,17 @@ def test_two_workers_make_the_same_update_as_one(dp_session, ref_session, rollou
 
 
 
-def test_threads_per_actor_sets_torch_threads_in_trainers_and_engines(local_ray, tiny_dir: Path,
-                                                                      tmp_path: Path) -> None:
+def test_actors_get_the_threads_and_trainer_switches_asked_for(local_ray, tiny_dir: Path,
+                                                               tmp_path: Path) -> None:
     import ray
 
+    speed = SpeedSettings(gradient_checkpointing=True, loss_tokens_only=True)
     session = create_ray_session(str(tiny_dir), LORA, tmp_path, num_workers=1, num_engines=1,
-                                 colocate_all=True, threads_per_actor=2)
+                                 colocate_all=True, threads_per_actor=2, speed=speed)
     try:
         actors = session.trainers + session.engines
         assert ray.get([a.threads.remote() for a in actors]) == [2, 2]  # Ray's default: 1
+        switches = operator.attrgetter("loss_tokens_only", "lm.model.is_gradient_checkpointing")
+        assert ray.get(session.trainers[0].call.remote(switches)) == (True, True)
     finally:
         session.close()

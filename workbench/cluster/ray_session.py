@@ -43,6 +43,7 @@ from workbench.envs import InitState, MazeConfig
 from workbench.model import LoraSettings
 from workbench.policy import SamplingParams, Stream
 from workbench.session import checkpoint
+from workbench.session.gpu import SpeedSettings
 from workbench.session.inprocess import describe_host
 from workbench.session.losses import LossConfig
 from workbench.session.types import AdamParams, Datum
@@ -270,9 +271,11 @@ def create_ray_session(
     cpus_per_actor: float = 0.5,
     engine: str = "transformers",
     threads_per_actor: int = 0,
+    speed: SpeedSettings = SpeedSettings(),
 ) -> RaySession:
     """Start N trainer workers and M sampler engines on the connected Ray cluster
-    (threads_per_actor: torch threads in each; 0 = Ray's default, its CPU share, at least 1)."""
+    (threads_per_actor: torch threads in each; 0 = Ray's default, its CPU share, at least 1;
+    speed: the trainer switches in the workers, CUDA-graph decode in the engines)."""
     ray = require("ray")
     if not ray.is_initialized():
         raise RuntimeError("not connected to Ray: call workbench.cluster.connect(...) first")
@@ -289,12 +292,12 @@ def create_ray_session(
     engine_cls = ray.remote(max_concurrency=1, max_restarts=0)(SamplerEngine)
     trainers = [trainer_cls.options(name=names[r], **actor_options(plan, pg, "trainer", r))
                 .remote(model, lora, str(workdir), dtype, device, r, num_workers, strategy,
-                        threads_per_actor)
+                        threads_per_actor, speed)
                 for r in range(num_workers)]
     engines = [engine_cls.options(name=names[num_workers + k],
                                   **actor_options(plan, pg, "engine", k))
                .remote(model, lora, str(workdir), dtype, device, gpu_memory_utilization, engine,
-                       threads_per_actor)
+                       threads_per_actor, speed)
                for k in range(num_engines)]
     try:
         if num_workers > 1:

@@ -26,6 +26,7 @@ from workbench.envs import InitState, MazeConfig
 from workbench.model import LoraSettings
 from workbench.policy import SamplingParams, Stream
 from workbench.policy.engine import EngineSettings
+from workbench.session.gpu import SpeedSettings, apply_speed
 from workbench.session.inprocess import (
     ModelHost,
     _compute_logprobs,
@@ -56,9 +57,10 @@ class TrainerWorker:
 
     def __init__(self, model: str, lora: LoraSettings | None, workdir: str, dtype: torch.dtype,
                  device: str, rank: int, world_size: int, strategy: str,
-                 threads: int = 0) -> None:
+                 threads: int = 0, speed: SpeedSettings = SpeedSettings()) -> None:
         set_threads(threads)
         self.host = make_host(model, lora, Path(workdir), dtype, device)
+        apply_speed(self.host, speed, sampler=False)
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.store: Any = None
         self.gauges = GaugeSet()
@@ -135,13 +137,14 @@ class SamplerEngine:
 
     def __init__(self, model: str, lora: LoraSettings | None, workdir: str, dtype: torch.dtype,
                  device: str, gpu_memory_utilization: float, engine: str = "transformers",
-                 threads: int = 0) -> None:
+                 threads: int = 0, speed: SpeedSettings = SpeedSettings()) -> None:
         set_threads(threads)
         if device.startswith("cuda") and engine == "transformers":  # keep to its GPU share
             torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)  # (vLLM does)
         self.host: ModelHost = make_host(model, lora, Path(workdir), dtype, device,
                                          hash_weights=False,
                                          engine=EngineSettings(engine, gpu_memory_utilization))
+        apply_speed(self.host, speed, trainer=False)
 
     def install(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> int:
         """Load a trainer snapshot as sampler version `snapshot[0]`; returns it."""

@@ -36,6 +36,7 @@ from workbench.policy.engine import EngineSettings
 from workbench.rl import phases
 from workbench.session import AdamParams, LossConfig, create_session
 from workbench.session.checkpoint import atomic_folder, is_complete
+from workbench.session.gpu import SpeedSettings, apply_speed
 
 
 def learning_rate(config: RunConfig, step: int) -> float:
@@ -140,7 +141,7 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
     if not c.address:
         engine = EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns)
         session = create_session(**model, engine=engine)
-        apply_speed_settings(session.host, config)
+        apply_speed(session.host, speed_settings(config))
         return session
     from workbench.cluster import connect, create_ray_session
 
@@ -150,24 +151,17 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
         num_engines=config.generator.num_engines, colocate_all=config.trainer.colocate_all,
         strategy=config.trainer.strategy,
         gpu_memory_utilization=g.gpu_memory_utilization, engine=g.engine,
-        cpus_per_actor=c.cpus_per_actor, threads_per_actor=c.threads_per_actor)
+        cpus_per_actor=c.cpus_per_actor, threads_per_actor=c.threads_per_actor,
+        speed=speed_settings(config))
 
 
-def apply_speed_settings(host: Any, config: RunConfig) -> None:
-    """trainer.gradient_checkpointing, trainer.loss_tokens_only and, on a CUDA device with our
-    sampler, generator.cuda_graphs (session/gpu.py) on an in-process host."""
+def speed_settings(config: RunConfig) -> SpeedSettings:
+    """trainer.gradient_checkpointing, trainer.loss_tokens_only and generator.cuda_graphs (on a
+    CUDA device, with our sampler) as one record for the hosts (session/gpu.py)."""
     t, g = config.trainer, config.generator
-    if config.model.device.startswith("cuda") and g.engine == "transformers" and g.cuda_graphs:
-        from workbench.session.gpu import GpuSettings, configure_gpu
-
-        configure_gpu(host, GpuSettings(kv_rows=t.train_batch_size * g.n_samples_per_prompt,
-                                        gradient_checkpointing=t.gradient_checkpointing,
-                                        loss_tokens_only=t.loss_tokens_only))
-        return
-    host.loss_tokens_only = t.loss_tokens_only
-    if t.gradient_checkpointing:
-        host.lm.model.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs={"use_reentrant": False})
+    graphs = g.cuda_graphs and g.engine == "transformers" and config.model.device.startswith("cuda")
+    return SpeedSettings(t.gradient_checkpointing, t.loss_tokens_only, graphs,
+                         t.train_batch_size * g.n_samples_per_prompt)
 
 
 def start(config: RunConfig, log: Any = print) -> Trainer:

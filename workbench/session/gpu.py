@@ -48,3 +48,28 @@ def configure_gpu(host: Any, settings: GpuSettings = GpuSettings()) -> Any:
                                 use_graphs=settings.cuda_graphs and model.device.type == "cuda")
     host.engine = GraphEngine(host.lm, static)
     return static
+
+
+@dataclass(frozen=True)
+class SpeedSettings:
+    """What a run's config switches on (its keys in brackets); see `apply_speed`."""
+
+    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
+    loss_tokens_only: bool = False  # trainer.loss_tokens_only
+    cuda_graphs: bool = False  # generator.cuda_graphs, on a CUDA device with our sampler
+    kv_rows: int = 64  # rows of a rollout (P x G): the KV pool's size
+
+
+def apply_speed(host: Any, speed: SpeedSettings, trainer: bool = True,
+                sampler: bool = True) -> None:
+    """The trainer switches and/or the sampler's CUDA-graph decode on a host: both in-process,
+    one side in a Ray trainer worker or sampler engine (no KV pool where nothing samples)."""
+    model = host.lm.model
+    if sampler and speed.cuda_graphs and model.device.type == "cuda":
+        configure_gpu(host, GpuSettings(kv_rows=speed.kv_rows, gradient_checkpointing=False,
+                                        loss_tokens_only=host.loss_tokens_only))
+    if trainer:
+        host.loss_tokens_only = speed.loss_tokens_only
+        if speed.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
