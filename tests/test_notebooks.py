@@ -263,6 +263,8 @@ def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
     nb = parameterize_notebook(nb, {"BASE_MODEL": sft_model, "SFT_STEPS": 0, "MAZES": 1,
                                     "SAMPLES_PER_MAZE": 4, "OUT_DIR": str(tmp_path / "out"),
                                     **SMALL})
+    nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python (workbench test)",
+                                 "language": "python"}  # found at once: no kernel prompt
     nbformat.write(nb, root / "02_rollouts.ipynb")
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
@@ -290,17 +292,23 @@ def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
 
 def _run_all_cells(page, expect, attempts: int = 4) -> None:
     """Run > Run All Cells until the first code cell has started ([*] or [1]): a kernel that
-    shows idle before its websocket is ready drops the first request (seen on a clean clone)."""
+    shows idle before its websocket is ready drops the first request, and a dialog may cover
+    the menu (both seen on clean clones)."""
     import re
 
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
     started = page.locator(".jp-CodeCell .jp-InputPrompt").first
+    dialog_accept = page.locator(".jp-Dialog .jp-mod-accept")
     for attempt in range(attempts):
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
         try:
+            if dialog_accept.is_visible():  # "Select Kernel" covered the menu once (clean clone)
+                dialog_accept.click()
+            page.get_by_role("menuitem", name="Run", exact=True).click(timeout=10_000)
+            page.get_by_role("menuitem", name="Run All Cells", exact=True).click(timeout=10_000)
             expect(started).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=20_000)
             return
-        except AssertionError:
+        except (AssertionError, PlaywrightTimeout):  # a dialog in the way, or a dropped run
             if attempt == attempts - 1:
                 raise
 
