@@ -232,20 +232,12 @@ def print_serving() -> None:
 
 
 def _demo_step(tc, config, step: int) -> float:
-    """One GRPO step of the demo shape through a session's clients (sync, rollout, update with
-    +-1 advantages by episode parity: the untrained tiny model earns no reward) -> seconds."""
-    from workbench.rl import phases
-    from workbench.rl.train import step_mazes
-    from workbench.session import AdamParams, LossConfig, datum_from_stream
+    """Seconds of one GRPO step of the demo shape through a session's clients: scale.grpo_step
+    (sync, rollout, update with +-1 advantages by episode parity: the untrained tiny model earns
+    no reward)."""
+    from scale import grpo_step  # benchmarks/ is on sys.path wherever this module is imported
 
-    t0 = time.perf_counter()
-    sampler = tc.save_weights_and_get_sampling_client()
-    ro = phases.rollout(sampler, config.maze, step_mazes(config, step), 8,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=step)
-    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
-    phases.update(tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
-                  AdamParams(learning_rate=1e-4))
-    return time.perf_counter() - t0
+    return grpo_step(tc, config, step).step_s
 
 
 def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:

@@ -4,10 +4,11 @@ the turn budget grows, and step time and memory as the group and the maze grow.
     python benchmarks/scale.py --out runs/bench/scale.json --plot docs/scale_cpu.png   # ~10 min
     OMP_NUM_THREADS=1 python benchmarks/scale.py --smoke --threads 1                   # < 1 min
 
-A step is `_demo_step` of benchmarks/bench.py, timed per phase: weight sync, rollout of P mazes
-x G episodes (tiny model, LoRA r32, 2-token replies at temperature 1), datums with advantages +-1
-by episode parity (the untrained model earns no reward; the update does the same work as with
-real signal), one update (ppo, sequence_mean, mini-batches of 16, one optim_step).
+A step is `grpo_step` below (bench.py's `_demo_step` times the same), per phase: weight sync,
+rollout of P mazes x G episodes (tiny model, LoRA r32, 2-token replies at temperature 1),
+datums with advantages +-1 by episode parity (the untrained model earns no reward; the update
+does the same work as with real signal), one update (ppo, sequence_mean, mini-batches of 16, one
+optim_step).
 
 - turns: the demo shape (8 mazes x 8 samples, 7x7) at max_turns 5, 10, 15. The untrained model
   never solves a maze, so every episode plays its whole budget (checked: mean and min turns are
@@ -96,7 +97,9 @@ def run_config(case: Case) -> Any:
 
 
 def grpo_step(tc: Any, config: Any, step: int) -> StepTiming:
-    """One GRPO step of `config`'s shape (as bench._demo_step), timed per phase."""
+    """One GRPO step of `config`'s shape, timed per phase: weight sync, rollout, one update with
+    +-1 advantages by episode parity (the untrained tiny model earns no reward). bench.py's
+    in-process vs Ray comparison times the same step."""
     from workbench.policy import SamplingParams
     from workbench.rl import phases
     from workbench.rl.train import step_mazes
