@@ -6,11 +6,17 @@ our losses, its weight-version handoff). Prints everything; writes gpu.json (and
     python benchmarks/gpu.py --shape qwen3-vl-small-shape --device cpu --quick  # CPU dry run
 
 Sections (--sections): ceilings (copy bandwidth, bf16 matmul), decode (prefill and decode
-tokens/s, eager vs pooled-KV + CUDA graphs + GQA decode attention, batch 64 and 1, short and long
-context, % of the bandwidth bound), step (one GRPO step of 8 mazes x 8 samples, 15 turns, easy
-9x9 at 25 px: per phase, update tokens/s and MFU, peak memory of sampler and trainer, adapter
-handoff), scale (group 4/8/16 x easy/hard). Timing: CUDA events after a synchronize (host clock on
-the CPU), after warm-up; medians.
+tokens/s of each --decode-variants: graphs = transformers + peft replayed as CUDA graphs, fused =
+merged LoRA + fused projections replayed, compiled = fused + torch.compile; batch 64 and 1, short
+and long context, % of the bandwidth bound, the graph's GPU time alone), update (forward_backward
+of the same 32 episodes under each --update-variants CKPT-LORA-MB[-c]: checkpointing full / sac /
+none, LoRA fp32 / bf16, mini-batch, compiled layers; --profile: the kernels of one call), step (one
+GRPO step of 8 mazes x 8 samples, 15 turns, easy 9x9 at 25 px: per phase, update tokens/s and
+MFU, peak memory of sampler and trainer, adapter handoff), scale (group 4/8/16 x easy/hard).
+Timing: CUDA events after a synchronize (host clock on the CPU), after warm-up; medians.
+
+    python3 benchmarks/gpu.py --out $OUT --sections ceilings,update,step,scale --decode compiled \
+        --update-variants none-bf16-4-c --profile            # run 8: the seed preset's settings
 
 A random model earns no reward, so every group has zero variance; as in benchmarks/bench.py the
 update gets advantages +-1 by episode parity (the same work as with real signal). Its replies are
@@ -40,7 +46,6 @@ from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt  # noqa:
 from workbench.model import LoraSettings  # noqa: E402
 from workbench.model.presets import lora_param_count, param_counts  # noqa: E402
 from workbench.policy import SamplingParams, append_user, encode_image, start_stream  # noqa: E402
-from workbench.policy.engine import TransformersEngine  # noqa: E402
 from workbench.rl import phases  # noqa: E402
 from workbench.rl.rollout import user_text  # noqa: E402
 from workbench.session.gpu import GpuSettings, configure_gpu  # noqa: E402
@@ -160,7 +165,8 @@ def first_prompts(host: Any, config: MazeConfig, n: int, extra_tokens: int = 0) 
 
 
 def bench_decode(host: Any, engine: Any, prompts: list, n: int, tokens: int, repeats: int,
-                 device: torch.device, facts: dict, bw: float) -> dict[str, float]:
+                 device: torch.device, facts: dict, bw: float,
+                 merged: bool = False) -> dict[str, float]:
     """Prefill (engine.open) and fixed-length decode (<|im_end|> never stops it): medians."""
     engine.fmt = replace(host.fmt, im_end=-1)
     params = SamplingParams(max_tokens=tokens, temperature=1.0)
@@ -176,11 +182,13 @@ def bench_decode(host: Any, engine: Any, prompts: list, n: int, tokens: int, rep
             dec.append(s_dec)
     engine.fmt = host.fmt
     B = len(prompts) * n
+    replay_ms = replay_time_ms(getattr(engine, "static", None), B, device)
     ctx = rows.live.mask_BL.shape[1]  # cache columns at the end (prompt + decoded)
     step_s = statistics.median(dec) / (tokens - 1)  # forward steps: tokens - 1 feeds
     mean_ctx = ctx - tokens / 2
     kv_bytes = B * mean_ctx * facts["kv_bytes_per_token"]
-    bound_s = (facts["decode_weight_bytes"] + kv_bytes) / bw
+    weight_bytes = facts["decode_weight_bytes"] - (facts["lora_bytes"] if merged else 0)
+    bound_s = (weight_bytes + kv_bytes) / bw
     del rows
     return {"rows": B, "prompt_tokens_per_row": prompt_tokens / len(prompts),
             "prefill_tokens_per_s": prompt_tokens / statistics.median(pre),
@@ -188,53 +196,194 @@ def bench_decode(host: Any, engine: Any, prompts: list, n: int, tokens: int, rep
             "decode_tokens_per_s": B * tokens / statistics.median(dec),
             "decode_ms_per_step": 1000 * step_s, "context_tokens": ctx,
             "kv_gb_read_per_step": kv_bytes / 1e9,
-            "bound_ms_per_step": 1000 * bound_s, "pct_of_bandwidth_bound": 100 * bound_s / step_s}
+            "bound_ms_per_step": 1000 * bound_s, "pct_of_bandwidth_bound": 100 * bound_s / step_s,
+            "replay_ms": replay_ms, "replay_pct_of_bound": 100 * bound_s * 1000 / replay_ms
+            if replay_ms else float("nan")}
+
+
+def replay_time_ms(static: Any, rows: int, device: torch.device) -> float:
+    """The GPU time of one step's graph alone (widest window captured for `rows` rows):
+    median of 20 replays (each rewrites the same KV column). 0.0 without graphs."""
+    if static is None or not static.use_graphs or device.type != "cuda":
+        return 0.0
+    keys = [k for k in static.graphs if k[0] == rows and k[2] == static.generation]
+    if not keys:
+        return 0.0
+    graph, _ = static.graphs[max(keys, key=lambda k: k[1])]
+    times = [timed(graph.replay, device)[1] for _ in range(21)][1:]
+    return 1000 * statistics.median(times)
+
+
+def set_decode(host: Any, variant: str, made: dict) -> None:
+    """Switch the engine's decode step: graphs (transformers + peft, replayed), fused (merged LoRA,
+    fused projections, replayed) or compiled (fused, torch.compile'd, replayed). Graphs are
+    re-captured; the fused weights and the compiled step are made once (`made`)."""
+    from workbench.policy.fused import compiled_layer_step, fuse_weights, layer_step
+    from workbench.policy.graphs import reset_graphs
+
+    st = host.engine.static
+    if variant != "graphs" and "fused" not in made:
+        made["fused"] = fuse_weights(host.lm.model)
+    if variant == "compiled" and "compiled" not in made:
+        made["compiled"] = compiled_layer_step()
+    st.fused = None if variant == "graphs" else made["fused"]
+    st.layer_step = made["compiled"] if variant == "compiled" else layer_step
+    host.engine.use_version(0)  # the weights do not change here: merge once per variant
+    if st.fused is not None:
+        st.fused.version = None
+    reset_graphs(st)
 
 
 def section_decode(host: Any, args: Any, device: torch.device, facts: dict, bw: float) -> None:
+    """Each decode variant on each case; the bound of a fused variant counts no LoRA bytes
+    (its adapter is merged), so its % is against the smaller, stricter bound."""
     config = MazeConfig(size=9, px_per_cell=25, grammar="tuple", max_turns=15)
-    out = {}
+    out = RESULTS.setdefault("decode", {})
     tokens = 9 if args.quick else 33
     repeats = 1 if args.quick else 3
-    fast = host.engine  # configured GraphEngine
-    eager = TransformersEngine(host.lm)
     cases = [("b64_short", 8, 8, 0), ("b1_short", 1, 1, 0), ("b64_long", 8, 8, 1400),
              ("b1_long", 1, 1, 1400)]
     if args.quick:
         cases = [("b64_short", 2, 2, 0), ("b1_short", 1, 1, 0), ("b64_long", 2, 2, 100)]
-    for name, P, n, extra in cases:
-        prompts = first_prompts(host, config, P, extra)
-        labels = (("fast", fast),) if name == "b1_long" else (("fast", fast), ("eager", eager))
-        for label, engine in labels:
-            if label == "eager":
-                host.lm.model.get_base_model().set_attn_implementation("sdpa")
-            else:
-                from workbench.policy.attention import use_gqa_decode_attention
-                use_gqa_decode_attention(host.lm.model)
-            reset_peak(device)
-            r = bench_decode(host, engine, prompts, n, tokens, repeats, device, facts, bw)
-            r["peak_gb"] = peak_gb(device)
-            out[f"{name}_{label}"] = r
-            log(f"decode {name:10s} {label:5s}: prefill {r['prefill_tokens_per_s']:10,.0f} tok/s"
-                f" | decode {r['decode_tokens_per_s']:9,.0f} tok/s, {r['decode_ms_per_step']:7.2f}"
-                f" ms/step, bound {r['bound_ms_per_step']:.2f} ms ->"
-                f" {r['pct_of_bandwidth_bound']:5.1f}% (ctx {r['context_tokens']})")
-    from workbench.policy.attention import use_gqa_decode_attention
-    from workbench.policy.graphs import reset_graphs
-    use_gqa_decode_attention(host.lm.model)
+    made: dict = {}
     st = host.engine.static
-    if st.use_graphs or args.quick:  # what the LoRA kernels cost a step (graphs re-captured)
-        reset_graphs(st)
-        with host.lm.model.disable_adapter():
-            r = bench_decode(host, fast, first_prompts(host, config, cases[0][1]), cases[0][2],
-                             tokens, repeats, device, facts, bw)
-        reset_graphs(st)
-        out["b64_short_fast_no_lora"] = r
-        log(f"decode b64_short fast, LoRA off: {r['decode_ms_per_step']:.2f} ms/step "
-            f"({r['pct_of_bandwidth_bound']:.1f}% of the bound with LoRA bytes)")
-    out["graphs"] = {"captures": st.captures, "capture_s": st.capture_seconds,
-                     "use_graphs": st.use_graphs, "error": st.error}
-    RESULTS["decode"] = out
+    for variant in args.decode_variants:
+        set_decode(host, variant, made)
+        for name, P, n, extra in cases:
+            if time.perf_counter() - T0 > args.deadline:
+                log(f"decode: deadline reached, skipping {name} {variant}")
+                continue
+            prompts = first_prompts(host, config, P, extra)
+            merged = variant != "graphs"
+            reset_peak(device)
+            r = bench_decode(host, host.engine, prompts, n, tokens, repeats, device, facts, bw,
+                             merged)
+            r["peak_gb"] = peak_gb(device)
+            out[f"{name}_{variant}"] = r
+            log(f"decode {name:10s} {variant:8s}: prefill {r['prefill_tokens_per_s']:10,.0f} "
+                f"tok/s | decode {r['decode_tokens_per_s']:9,.0f} tok/s, "
+                f"{r['decode_ms_per_step']:7.2f} ms/step, bound {r['bound_ms_per_step']:.2f} ms "
+                f"-> {r['pct_of_bandwidth_bound']:5.1f}% (ctx {r['context_tokens']}); graph "
+                f"alone {r['replay_ms']:.2f} ms = {r['replay_pct_of_bound']:.1f}%")
+        out[f"graphs_{variant}"] = {"captures": st.captures, "capture_s": st.capture_seconds,
+                                    "use_graphs": st.use_graphs, "error": st.error,
+                                    "compile_error": st.compile_error}
+        log(f"decode {variant}: graphs {st.use_graphs} {st.error} | captures {st.captures} "
+            f"({st.capture_seconds:.1f} s so far) | compile error: {st.compile_error[:300]}")
+    set_decode(host, args.decode, made)
+
+
+# ------------------------------------------------------------------------------------ update
+
+
+def seed_config(args: Any, size: int = 9) -> MazeConfig:
+    return MazeConfig(size=size, px_per_cell=25, grammar="tuple", max_turns=args.turns,
+                      reward="stop_on_goal", format_weight=0.2)
+
+
+def set_trainer(host: Any, variant: str) -> tuple[str, bool, int]:
+    """Apply an update variant "CKPT-LORA-MB[-c]": CKPT full | sac (selective: keep matmuls) |
+    none, LORA bf16 (autocast) | fp32 (peft's path), MB episodes a forward_backward call, c:
+    decoder layers torch.compile'd for the update (once on, it stays on)."""
+    from workbench.session.gpu import compile_for_training, set_checkpointing
+
+    ckpt, lora, mb, *compiled = variant.split("-")
+    if compiled == ["c"]:
+        compile_for_training(host.lm.model)
+    if ckpt not in ("full", "sac", "none") or lora not in ("bf16", "fp32"):
+        raise ValueError(f"update variant {variant!r}: want full|sac|none-bf16|fp32-N")
+    set_checkpointing(host.lm.model, ckpt != "none", selective=ckpt == "sac")
+    host.lora_autocast = lora == "bf16"
+    return ckpt, lora == "bf16", int(mb)
+
+
+def section_update(session: Session, args: Any, device: torch.device, facts: dict,
+                   peak: float) -> None:
+    """forward_backward of the same 32 episodes (one rollout, every other episode) under each
+    trainer setting: checkpointing on/off, LoRA float32 (peft) / bf16 (autocast), mini-batch."""
+    tc, host = session.training_client, session.host
+    sampler = tc.save_weights_and_get_sampling_client()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+    ro = phases.rollout(sampler, seed_config(args), eval_set(9, args.mazes), args.group, params,
+                        99)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
+              for k, ep in enumerate(ro.flat)]
+    loss = LossConfig(reduction="sequence_mean")
+    weighted = sorted(phases.global_weights(datums, loss.reduction), key=lambda d: len(d.stream))
+    half = weighted[::2]
+    summed = replace(loss, reduction="sum")
+    flops = train_flops(half, facts, facts["vision_flops_per_patch"])
+    out = RESULTS.setdefault("update", {"tokens": flops["tokens"], "episodes": len(half),
+                                        "model_tflop": flops["model_flops"] / 1e12})
+    warm = False
+    for name in args.update_variants:
+        if time.perf_counter() - T0 > args.deadline:
+            log(f"update: deadline reached, skipping {name}")
+            continue
+        ckpt, _, mb = set_trainer(host, name)
+
+        def fb(mb=mb):
+            return [tc.forward_backward(half[i:i + mb], "ppo", summed).result()
+                    for i in range(0, len(half), mb)]
+        try:
+            if name.endswith("-c"):  # compile (and warm up) outside the timing
+                _, s_compile = timed(partial(fb_call, tc, half[:mb], summed), device)
+                log(f"update {name}: first call (compiles) {s_compile:.1f} s")
+            if not warm:
+                tc.forward_backward(half[:2], "ppo", summed).result()
+                warm = True
+            host.lm.model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            reset_peak(device)
+            outs, s = timed(fb, device)
+        except torch.OutOfMemoryError as err:
+            host.lm.model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            out[name] = {"oom": str(err)[:200]}
+            log(f"update {name}: out of memory")
+            continue
+        # recomputed FLOPs: full checkpointing repeats the forward; selective only elementwise
+        hw = flops["hardware_flops"] if ckpt == "full" else flops["model_flops"]
+        r = {"s": s, "tokens_per_s": flops["tokens"] / s,
+             "mfu_pct": 100 * flops["model_flops"] / s / peak, "hfu_pct": 100 * hw / s / peak,
+             "peak_gb": peak_gb(device), "loss": sum(o.loss for o in outs),
+             "kl": statistics.mean(o.metrics["kl_sampler_trainer"] for o in outs)}
+        out[name] = r
+        log(f"update {name:14s}: {s:6.2f} s, {r['tokens_per_s']:7,.0f} tok/s, MFU "
+            f"{r['mfu_pct']:5.1f}% HFU {r['hfu_pct']:5.1f}%, peak {r['peak_gb']:6.1f} GB, "
+            f"loss {r['loss']:.4f} kl {r['kl']:.2e}")
+        save(Path(args.out))
+    host.lm.model.zero_grad(set_to_none=True)
+    fits = {k: r for k, r in out.items() if isinstance(r, dict) and "s" in r
+            and not r["peak_gb"] >= args.max_update_gb}  # nan on the CPU
+    if args.update == "best" and fits:
+        args.update = min(fits, key=lambda k: fits[k]["s"])
+        log(f"update: the step and scale sections use {args.update} (fastest under "
+            f"{args.max_update_gb:.0f} GB)")
+    RESULTS["update"]["chosen"] = args.update
+    _, _, args.minibatch = set_trainer(host, args.update)
+    if args.profile:
+        profile_update(tc, half[:args.minibatch], summed, Path(args.out))
+
+
+def fb_call(tc: Any, datums: list, loss: Any) -> Any:
+    return tc.forward_backward(datums, "ppo", loss).result()
+
+
+def profile_update(tc: Any, datums: list, loss: Any, out: Path) -> None:
+    """torch.profiler over one forward_backward call: the kernels that take the time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        tc.forward_backward(datums, "ppo", loss).result()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
+                                      max_name_column_width=70)
+    (out / "profile_update.txt").write_text(table)
+    log("profile of one forward_backward call (top kernels by self CUDA time):\n" +
+        "\n".join(table.splitlines()[:28]))
 
 
 # ------------------------------------------------------------------------------------ GRPO step
@@ -267,8 +416,9 @@ def train_flops(datums: list, facts: dict, vision_flops_per_patch: float) -> dic
 
 def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: int,
               minibatch: int, seed: int, device: torch.device, facts: dict,
-              peak_flops: float) -> dict[str, float]:
-    """One GRPO step through the session, timed per phase."""
+              peak_flops: float, recompute: bool = True) -> dict[str, float]:
+    """One GRPO step through the session, timed per phase (recompute: full checkpointing is on,
+    for the hardware-FLOP count)."""
     tc, host = session.training_client, session.host
     static = getattr(host.engine, "static", None)
     caps0 = (static.captures, static.capture_seconds) if static else (0, 0.0)
@@ -317,7 +467,9 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
         "model_tflop": flops["model_flops"] / 1e12, "hardware_tflop":
         flops["hardware_flops"] / 1e12, "vision_tflop": flops["vision_flops"] / 1e12,
         "mfu_pct": 100 * flops["model_flops"] / s_update / peak_flops,
-        "hfu_pct": 100 * flops["hardware_flops"] / s_update / peak_flops,
+        # hardware FLOPs add full checkpointing's recomputed forward (selective and none: 0)
+        "hfu_pct": 100 * flops["hardware_flops" if recompute else "model_flops"] / s_update
+        / peak_flops,
         "sampler_peak_gb": sampler_peak, "trainer_peak_gb": trainer_peak,
         "kv_pool_gb": kv_pool_gb(static), "grad_norm": opt.grad_norm,
         "loss": sum(o.loss for o in outs),
@@ -350,12 +502,12 @@ def print_step(tag: str, r: dict) -> None:
 
 def section_step(session: Session, args: Any, device: torch.device, facts: dict,
                  peak: float) -> None:
-    config = MazeConfig(size=9, px_per_cell=25, grammar="tuple", max_turns=args.turns,
-                        reward="stop_on_goal", format_weight=0.2)
+    config = seed_config(args)
     runs = []
     for r in range(1 + args.step_repeats):  # the first step warms up
         res = grpo_step(session, config, args.mazes, args.group, args.max_tokens,
-                        args.minibatch, seed=r, device=device, facts=facts, peak_flops=peak)
+                        args.minibatch, seed=r, device=device, facts=facts, peak_flops=peak,
+                        recompute=args.update.startswith("full"))
         print_step("warm-up step" if r == 0 else f"step {r}", res)
         if r > 0:
             runs.append(res)
@@ -363,7 +515,8 @@ def section_step(session: Session, args: Any, device: torch.device, facts: dict,
         return
     med = {k: statistics.median(x[k] for x in runs) if isinstance(runs[0][k], float) else
            runs[0][k] for k in runs[0]}
-    RESULTS["step"] = {"median": med, "runs": runs}
+    RESULTS["step"] = {"median": med, "runs": runs, "update_variant": args.update,
+                       "decode_variant": args.decode}
     export, s_export = timed(lambda: session.training_client.export_adapter(
         Path(args.workdir) / "adapter").result(), device)
     RESULTS["step"]["adapter_export_s"] = s_export
@@ -376,19 +529,31 @@ def section_step(session: Session, args: Any, device: torch.device, facts: dict,
 def section_scale(session: Session, args: Any, device: torch.device, facts: dict,
                   peak: float, deadline: float) -> None:
     rows = RESULTS.setdefault("scale", [])
-    for size in args.scale_sizes:
-        for G in args.scale_groups:
-            if time.perf_counter() - T0 > deadline:
-                log(f"scale: deadline reached, skipping size {size} G {G}")
-                rows.append({"size": size, "G": G, "skipped": "deadline"})
-                continue
-            config = MazeConfig(size=size, px_per_cell=25, grammar="tuple",
-                                max_turns=args.turns, reward="stop_on_goal", format_weight=0.2)
-            res = grpo_step(session, config, args.mazes, G, args.max_tokens, args.minibatch,
-                            seed=10 + G, device=device, facts=facts, peak_flops=peak)
-            print_step(f"scale size {size} G {G}", res)
-            rows.append(res)
-            save(Path(args.out))
+    pairs = [(size, G) for size in args.scale_sizes for G in args.scale_groups]
+    pairs.sort(key=lambda p: p[1] > 8)  # the KV pool grows for G=16 and stays grown: last
+    for size, G in pairs:
+        if time.perf_counter() - T0 > deadline:
+            log(f"scale: deadline reached, skipping size {size} G {G}")
+            rows.append({"size": size, "G": G, "skipped": "deadline"})
+            continue
+        try:
+            res = grpo_step(session, seed_config(args, size), args.mazes, G, args.max_tokens,
+                            args.minibatch, seed=10 + G, device=device, facts=facts,
+                            peak_flops=peak, recompute=args.update.startswith("full"))
+        except torch.OutOfMemoryError:  # a bigger pool beside the update: checkpoint instead
+            session.host.lm.model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+            log(f"scale size {size} G {G}: out of memory with {args.update}; now "
+                f"{args.fallback_update}")
+            args.update = args.fallback_update
+            _, _, args.minibatch = set_trainer(session.host, args.update)
+            res = grpo_step(session, seed_config(args, size), args.mazes, G, args.max_tokens,
+                            args.minibatch, seed=10 + G, device=device, facts=facts,
+                            peak_flops=peak, recompute=args.update.startswith("full"))
+        res["update_variant"] = args.update
+        print_step(f"scale size {size} G {G} ({args.update})", res)
+        rows.append(res)
+        save(Path(args.out))
 
 
 # ------------------------------------------------------------------------------------ main
@@ -410,13 +575,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="/tmp/workbench-gpu-bench")
     ap.add_argument("--workdir", default="")
-    ap.add_argument("--sections", default="ceilings,decode,step,scale")
+    ap.add_argument("--sections", default="ceilings,decode,update,step,scale")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU dry run)")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--turns", type=int, default=15)
     ap.add_argument("--max-tokens", type=int, default=8)
-    ap.add_argument("--minibatch", type=int, default=16)
     ap.add_argument("--step-repeats", type=int, default=1)
     ap.add_argument("--scale-groups", type=lambda s: [int(x) for x in s.split(",")],
                     default=[4, 8, 16])
@@ -425,6 +589,20 @@ def main() -> None:
     ap.add_argument("--kv-tokens", type=int, default=3072)
     ap.add_argument("--deadline", type=float, default=500.0, help="skip scale rows after (s)")
     ap.add_argument("--no-graphs", action="store_true")
+    ap.add_argument("--decode-variants", type=lambda s: s.split(","),
+                    default=["graphs", "fused", "compiled"])
+    ap.add_argument("--decode", default="fused", choices=["graphs", "fused", "compiled"],
+                    help="the decode step of the step and scale sections")
+    ap.add_argument("--update-variants", type=lambda s: s.split(","),
+                    default=["full-fp32-16", "full-bf16-16", "sac-bf16-4", "sac-bf16-8",
+                             "none-bf16-4"])
+    ap.add_argument("--update", default="best",
+                    help="the update variant of the step and scale sections (CKPT-LORA-MB), or "
+                         "best: the fastest of the update section under --max-update-gb")
+    ap.add_argument("--max-update-gb", type=float, default=125.0)
+    ap.add_argument("--fallback-update", default="full-bf16-16",
+                    help="scale: the update variant after an out-of-memory")
+    ap.add_argument("--profile", action="store_true", help="profile one forward_backward call")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -452,7 +630,15 @@ def main() -> None:
                                             hash_weights=False), device)
     static = configure_gpu(host, GpuSettings(cuda_graphs=not args.no_graphs,
                                              kv_rows=args.mazes * args.group,
-                                             kv_tokens=args.kv_tokens))
+                                             kv_tokens=args.kv_tokens,
+                                             fused_decode=args.decode != "graphs",
+                                             compile_decode=args.decode == "compiled",
+                                             gradient_checkpointing=False))
+    if args.update != "best":
+        _, _, args.minibatch = set_trainer(host, args.update)
+    elif "update" not in sections:
+        args.update = "full-bf16-16"
+        _, _, args.minibatch = set_trainer(host, args.update)
     facts = model_facts(host)
     facts["vision_flops_per_patch"] = vision_flops_per_patch(host)
     facts["build_s"] = s_build
@@ -470,6 +656,9 @@ def main() -> None:
         save(out)
     session = Session(host)
     try:
+        if "update" in sections:
+            section_update(session, args, device, facts, peak)
+            save(out)
         if "step" in sections:
             section_step(session, args, device, facts, peak)
             save(out)
@@ -490,13 +679,19 @@ def summary(res: dict) -> None:
     print(f"ceilings: copy {c['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
           f"{c['bf16_matmul_flops'] / 1e12:.0f} TFLOP/s")
     for k, r in res.get("decode", {}).items():
-        if k != "graphs":
+        if not k.startswith("graphs"):
             print(f"decode {k:16s} {r['decode_tokens_per_s']:10,.0f} tok/s "
                   f"{r['decode_ms_per_step']:7.2f} ms/step {r['pct_of_bandwidth_bound']:5.1f}% "
                   f"of bound; prefill {r['prefill_tokens_per_s']:10,.0f} tok/s")
+    for k, r in res.get("update", {}).items():
+        if isinstance(r, dict):
+            print(f"update {k:14s} " + ("out of memory" if "oom" in r else
+                  f"{r['tokens_per_s']:7,.0f} tok/s MFU {r['mfu_pct']:5.1f}% HFU "
+                  f"{r['hfu_pct']:5.1f}% peak {r['peak_gb']:6.1f} GB"))
     if "step" in res:
         m = res["step"]["median"]
-        print(f"GRPO step {m['P']}x{m['G']}: {m['step_s']:.1f} s (rollout {m['rollout_s']:.1f},"
+        print(f"GRPO step ({res['step']['decode_variant']} decode, {res['step']['update_variant']}"
+              f" update) {m['P']}x{m['G']}: {m['step_s']:.1f} s (rollout {m['rollout_s']:.1f},"
               f" fwd_bwd {m['forward_backward_s']:.1f}, optim {m['optim_step_s']:.3f}, handoff "
               f"{m['handoff_s']:.3f}); update {m['update_tokens_per_s']:,.0f} tok/s MFU "
               f"{m['mfu_pct']:.1f}% HFU {m['hfu_pct']:.1f}%; peak sampler "

@@ -134,6 +134,138 @@ def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
             assert b.logprobs == c.logprobs
 
 
+def test_fused_decode_matches_the_eager_sampler(small) -> None:
+    """Merged LoRA + fused projections + one function a layer == transformers and peft."""
+    from workbench.policy.graphs import GraphEngine, make_static_decode
+
+    prompts = _prompts(small)
+    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=False,
+                                fused=True)
+    fused = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+    assert static.fused.version is None and not static.compile_error
+    for a_turn, b_turn in zip(eager, fused):
+        for a, b in zip(a_turn, b_turn):
+            assert a.tokens == b.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_fused_weights_follow_the_sampler_version(small) -> None:
+    """A new version re-merges the adapter in place: the decode step sees the new weights, and
+    the fused tensors keep their addresses (captured graphs read them)."""
+    from workbench.policy.fused import fuse_weights, merged_weight, refresh
+
+    model = small.model
+    layer = model.get_base_model().model.language_model.layers[0]
+    fused = fuse_weights(model, version=0)
+    address = fused.layers[0].qkv_QH.data_ptr()
+    lora_B = layer.self_attn.q_proj.lora_B["default"].weight
+    saved = lora_B.detach().clone()
+    try:
+        with torch.no_grad():
+            lora_B.add_(0.5)
+        refresh(fused, model, version=1)
+        q_rows = merged_weight(layer.self_attn.q_proj).shape[0]
+        torch.testing.assert_close(fused.layers[0].qkv_QH[:q_rows],
+                                   merged_weight(layer.self_attn.q_proj))
+        base = layer.self_attn.q_proj.base_layer.weight
+        assert not torch.allclose(fused.layers[0].qkv_QH[:q_rows], base)
+    finally:
+        with torch.no_grad():
+            lora_B.copy_(saved)
+    assert fused.version == 1 and fused.layers[0].qkv_QH.data_ptr() == address
+    # without adapters (peft's disable_adapter) the merged weight is the base weight itself
+    with model.disable_adapter():
+        assert merged_weight(layer.mlp.down_proj) is not None
+        assert merged_weight(layer.mlp.down_proj).data_ptr() == \
+            layer.mlp.down_proj.base_layer.weight.data_ptr()
+
+
+def test_lora_in_model_dtype_keeps_the_gradients() -> None:
+    """trainer.lora_autocast on a bf16 base: the adapters see bf16 inputs (no float32 copies of
+    the activations), their weights and gradients stay float32, and the gradients equal peft's
+    float32 path within bf16 rounding."""
+    from workbench.model.lora import lora_in_model_dtype
+
+    lm = build_random("qwen3-vl-small-shape", dtype=torch.bfloat16, device="cpu")
+    model = add_lora(lm.model, LoraSettings(rank=8, alpha=16))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
+    fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
+    streams = _prompts(lm)
+    q_proj = model.get_base_model().model.language_model.layers[0].self_attn.q_proj
+    seen = []
+    hook = q_proj.lora_A["default"].register_forward_pre_hook(
+        lambda _, args: seen.append(args[0].dtype))
+
+    def grads(on: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        with lora_in_model_dtype(model, on):
+            logp, _ = token_logprobs(model, streams, 1.0, fmt.banned, pad)
+            sum(lp[1:].float().sum() for lp in logp).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    try:
+        full, mixed = grads(False), grads(True)
+    finally:
+        hook.remove()
+    assert seen == [torch.float32, torch.bfloat16]
+    assert all(g.dtype == torch.float32 for g in mixed.values())
+    flat_full = torch.cat([g.flatten() for g in full.values()])
+    flat_mixed = torch.cat([mixed[n].flatten() for n in full])
+    assert float(flat_full.norm()) > 0
+    assert float((flat_mixed - flat_full).norm() / flat_full.norm()) < 0.02
+    assert float(torch.nn.functional.cosine_similarity(flat_mixed, flat_full, dim=0)) > 0.9995
+
+
+def test_selective_checkpointing_keeps_the_gradients(small, monkeypatch) -> None:
+    """trainer.selective_checkpointing: the same loss and LoRA gradients as no checkpointing,
+    and the policy keeps the base matmuls and attention but not LoRA's rank-r products."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from workbench.session import gpu
+    from workbench.session.gpu import _keep_matmuls, set_checkpointing
+
+    decisions = []
+    monkeypatch.setattr(gpu, "_keep_matmuls",
+                        lambda *a, **k: decisions.append(_keep_matmuls(*a, **k)) or decisions[-1])
+    aten = torch.ops.aten
+    x, w_in, w_rank = torch.ones(5, 96), torch.ones(96, 8), torch.ones(8, 96)
+    assert _keep_matmuls(None, aten.mm.default, x, w_in) == CheckpointPolicy.MUST_SAVE
+    assert _keep_matmuls(None, aten.mm.default, x[:, :8], w_rank) == \
+        CheckpointPolicy.PREFER_RECOMPUTE
+    assert _keep_matmuls(None, aten.mul.Tensor, x, x) == CheckpointPolicy.PREFER_RECOMPUTE
+    fmt, pad = chat_format(small.processor), small.processor.tokenizer.pad_token_id
+    streams = _prompts(small)
+    model = small.model
+
+    def loss_and_grads(checkpointing: bool) -> tuple[float, list[torch.Tensor]]:
+        set_checkpointing(model, checkpointing, selective=True)
+        model.train()
+        model.zero_grad(set_to_none=True)
+        try:
+            logp, _ = token_logprobs(model, streams, 1.0, fmt.banned, pad)
+            loss = sum(lp[1:].sum() for lp in logp)
+            loss.backward()
+        finally:
+            model.eval()
+            set_checkpointing(model, False)
+        grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        model.zero_grad(set_to_none=True)
+        return float(loss.detach()), grads
+
+    plain = loss_and_grads(False)
+    assert not decisions
+    selective = loss_and_grads(True)
+    assert CheckpointPolicy.MUST_SAVE in decisions  # the policy ran inside each layer
+    assert CheckpointPolicy.PREFER_RECOMPUTE in decisions
+    assert selective[0] == pytest.approx(plain[0], rel=1e-6)
+    for a, b in zip(plain[1], selective[1]):
+        torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("queries", [1, 5])
 def test_gqa_attention_matches_sdpa(queries: int) -> None:
     from types import SimpleNamespace
@@ -177,15 +309,24 @@ def test_loss_tokens_only_matches_full_logprobs(small) -> None:
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_graph_decode_matches_eager_on_cuda() -> None:
+@pytest.mark.parametrize("fused,compiled", [(False, False), (True, False), (True, True)])
+def test_graph_decode_matches_eager_on_cuda(fused: bool, compiled: bool) -> None:
     from workbench.policy.graphs import GraphEngine, make_static_decode
 
     lm = build_random("qwen3-vl-small-shape", dtype=torch.float32, device="cuda")
+    lm.model = add_lora(lm.model, LoraSettings(rank=8, alpha=16)).eval()
+    with torch.no_grad():
+        for name, p in lm.model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02, generator=torch.Generator("cuda").manual_seed(1))
     prompts = _prompts(lm)
     eager = _rollout_like(TransformersEngine(lm), prompts, 2, 3, seed=3)
-    static = make_static_decode(lm.model, rows=4, capacity=512, bucket=64)
+    static = make_static_decode(lm.model, rows=4, capacity=512, bucket=64, fused=fused,
+                                compiled=compiled)
     graphed = _rollout_like(GraphEngine(lm, static), prompts, 2, 3, seed=3)
     assert static.use_graphs and static.captures > 0, static.error
+    assert not static.compile_error, static.compile_error
     for a_turn, b_turn in zip(eager, graphed):
         for a, b in zip(a_turn, b_turn):
             assert a.tokens == b.tokens
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-3)

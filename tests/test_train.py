@@ -137,12 +137,16 @@ def test_grpo_improves_success_on_a_fixed_set(sft_model: str, tmp_path: Path) ->
 
 def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,
                                         tmp_path: Path) -> None:
-    """trainer.gradient_checkpointing and trainer.loss_tokens_only change how the update is
-    computed, not what it is: step 1 matches the plain run (same rollout, same loss, grads)."""
+    """trainer.gradient_checkpointing (selective), trainer.compile_layers,
+    trainer.loss_tokens_only and trainer.lora_autocast (a no-op on this float32 model) change
+    how the update is computed, not what it is: step 1 matches the plain run (same rollout, same
+    loss, grads)."""
     from workbench.rl.train import train
 
     extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
-                      "trainer.gradient_checkpointing=true", "trainer.loss_tokens_only=true"]
+                      "trainer.gradient_checkpointing=true",
+                      "trainer.selective_checkpointing=true", "trainer.compile_layers=true",
+                      "trainer.loss_tokens_only=true", "trainer.lora_autocast=true"]
     config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the CLI run of straight_run (OMP_NUM_THREADS=1)
@@ -150,8 +154,11 @@ def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,
         trainer = train(config, log=lambda *_: None)
     finally:
         torch.set_num_threads(threads)
-    assert trainer.session.host.loss_tokens_only
-    assert trainer.session.host.lm.model.is_gradient_checkpointing
+    host = trainer.session.host
+    assert host.loss_tokens_only and host.lora_autocast
+    assert host.lm.model.is_gradient_checkpointing
+    layers = host.lm.model.get_base_model().model.language_model.layers
+    assert all(layer.compiled_for_training for layer in layers)
     [fast] = [r for r in read_metrics(tmp_path) if r["step"] == 1 and "reward/mean" in r]
     [plain] = [r for r in read_metrics(straight_run) if r["step"] == 1 and "reward/mean" in r]
     assert fast["update/datums"] > 0

@@ -89,6 +89,14 @@ class GeneratorConfig:
     """On a CUDA device, in-process: decode steps replayed as CUDA graphs over a KV pool sized
     for the rollout, with grouped-query decode attention (workbench/session/gpu.py). Ignored on
     CPU and by the vllm engine."""
+    fused_decode: bool = True
+    """With cuda_graphs: decode steps read the sampler's own copy of the text weights with the
+    LoRA adapter merged in and q/k/v and gate/up fused (4 GEMMs a layer instead of 7 plus peft's
+    LoRA kernels); re-merged when the sampler's weights version changes. Costs the text matrices
+    once more in GPU memory (13.9 GB for the 8B shape) (workbench/policy/fused.py)."""
+    compile_decode: bool = False
+    """With fused_decode: torch.compile each layer's decode step (norms, rotary, epilogues fused)
+    before it is captured; a compile failure falls back to the eager step and says why."""
     num_engines: int = 1
     """M: sampler actors on a Ray cluster; a rollout's mazes are spread over them (SkyRL:
     generator.num_inference_engines). Ignored in-process."""
@@ -147,9 +155,21 @@ class TrainerConfig:
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of keeping them (the 8B shape
     needs it on one GPU; SkyRL: trainer.gradient_checkpointing). Same gradients, more time."""
+    selective_checkpointing: bool = False
+    """With gradient_checkpointing: keep each layer's matmul and attention outputs and recompute
+    only the elementwise ops (norms, rotary, SiLU, casts) in backward: less memory than no
+    checkpointing, far less recompute than full checkpointing."""
+    compile_layers: bool = False
+    """torch.compile each text decoder layer for the update (norms, rotary, SiLU and the LoRA
+    epilogue fused forward and backward); the first update pays the compilation (about a
+    minute), calls without grad (the sampler's prefill) stay eager."""
     loss_tokens_only: bool = False
     """Run the lm_head only on tokens that carry loss weight (the replies): at Qwen's 151,936
     vocabulary this saves most of the output layer's time and memory. Same loss and gradients."""
+    lora_autocast: bool = False
+    """On a bf16 base: compute the LoRA adapters in bf16 under autocast instead of peft's float32
+    path (no float32 copies of the activations); adapter weights, gradients and Adam stay
+    float32. Ignored on float32 models (the CPU default)."""
     strategy: str = "ddp"
     """Data-parallel strategy of the trainer actors: ddp (replicas, gradients all-reduced) |
     fsdp (GPU only: the frozen base is sharded over the workers, LoRA weights all-reduced)."""
@@ -430,11 +450,16 @@ PRESETS: dict[str, RunConfig] = {
         lora=LoraConfig(rank=32, alpha=64),
         env=EnvConfig(size=9, px_per_cell=25, grammar="tuple", reward="stop_on_goal",
                       format_weight=0.2),
+        # Speed: the settings of benchmarks/RESULTS.md's run 8 on one H200 (decode 50% of the
+        # bandwidth bound, update 47.5% MFU, 117 GB peak): compiled fused decode, bf16 LoRA,
+        # compiled layers, no checkpointing at 4 episodes a forward_backward call.
         generator=GeneratorConfig(n_samples_per_prompt=8, max_turns=15, temperature=0.7,
-                                  max_tokens=32, gpu_memory_utilization=0.5),
+                                  max_tokens=32, gpu_memory_utilization=0.5,
+                                  compile_decode=True),
         trainer=TrainerConfig(total_steps=100, train_batch_size=8, learning_rate=1e-5,
                               ckpt_interval=20, hf_save_interval=20, eval_interval=10,
-                              gradient_checkpointing=True, loss_tokens_only=True),
+                              minibatch=4, gradient_checkpointing=False, loss_tokens_only=True,
+                              lora_autocast=True, compile_layers=True),
         eval=EvalConfig(n_mazes=64, greedy=True, sampled_passes=8, temperature=0.7),
         sft=SFTConfig(full_finetune=False, learning_rate=1e-5),
         run_dir="runs/seed_gpu",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,3 +52,26 @@ def load_adapter(model: Any, folder: str | Path, trainable: bool = False) -> Any
     from peft import PeftModel
 
     return PeftModel.from_pretrained(model, str(folder), is_trainable=trainable)
+
+
+@contextmanager
+def lora_in_model_dtype(model: Any, on: bool = True) -> Iterator[None]:
+    """Compute the LoRA adapters in the base model's dtype (bf16) instead of peft's float32 path.
+
+    peft casts each adapted layer's input to the adapter's dtype (float32) before A and B: at
+    40 k tokens a forward_backward call that is seven float32 copies of the activations a layer,
+    forward and backward. Inside this context that cast is off and autocast runs A and B in the
+    base dtype; the adapter weights, their gradients and Adam's state stay float32 (mixed
+    precision, as with HF Trainer's bf16=True). A no-op when `on` is false or the base model is
+    float32 (the CPU default)."""
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    if not on or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    from peft.helpers import disable_input_dtype_casting
+
+    device_type = next(model.parameters()).device.type
+    with disable_input_dtype_casting(model), torch.autocast(device_type, dtype=dtype):
+        yield

@@ -45,6 +45,7 @@ class StaticBuffers:
     index_1: torch.Tensor  # the cache column this step writes
     mask_R11C: torch.Tensor  # bool, True = attend
     generation: int  # the pool generation these were sized for
+    mask_of: Any = None  # the LiveBatch mask whose columns mask_R11C holds (None: none yet)
 
 
 @dataclass
@@ -60,6 +61,9 @@ class StaticDecode:
     captures: int = 0
     capture_seconds: float = 0.0
     error: str = ""  # why graphs were switched off, if they were
+    fused: Any = None  # policy.fused.FusedWeights: decode through merged, fused weights
+    layer_step: Any = None  # fused.layer_step or its torch.compile'd form
+    compile_error: str = ""  # why the compiled layer step was given up, if it was
 
     @property
     def generation(self) -> int:
@@ -67,13 +71,20 @@ class StaticDecode:
 
 
 def make_static_decode(model: Any, rows: int, capacity: int, bucket: int = 256,
-                       use_graphs: bool | None = None) -> StaticDecode:
-    """A pool for `rows` rows x `capacity` tokens (grown if a batch needs more); graphs on CUDA."""
+                       use_graphs: bool | None = None, fused: bool = False,
+                       compiled: bool = False) -> StaticDecode:
+    """A pool for `rows` rows x `capacity` tokens (grown if a batch needs more); graphs on CUDA.
+    fused: decode through a merged, fused copy of the text weights (`policy.fused`); compiled:
+    its layer step through torch.compile."""
+    from workbench.policy.fused import compiled_layer_step, fuse_weights, layer_step
+
     layers = model.config.text_config.num_hidden_layers
     capacity = -(-capacity // bucket) * bucket
     on_cuda = model.device.type == "cuda"
     return StaticDecode(cache=pool_cache(layers, rows, capacity), bucket=bucket,
-                        use_graphs=on_cuda if use_graphs is None else use_graphs)
+                        use_graphs=on_cuda if use_graphs is None else use_graphs,
+                        fused=fuse_weights(model) if fused else None,
+                        layer_step=compiled_layer_step() if compiled else layer_step)
 
 
 def open_static(static: StaticDecode) -> LiveBatch:
@@ -108,8 +119,26 @@ def _buffers(static: StaticDecode, device: torch.device) -> StaticBuffers:
     return b
 
 
+def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
+    """The step through `policy.fused`; a compiled layer step that fails falls back to eager."""
+    from workbench.policy.fused import fused_step, layer_step
+
+    b = static.buffers
+    args = (static.cache.layers, b.ids_R1[:rows], b.pos_3R1[:, :rows], b.index_1,
+            b.mask_R11C[:rows, :, :, :window])
+    try:
+        return fused_step(static.fused, static.layer_step, *args)
+    except Exception as err:  # noqa: BLE001 - compiler missing or failing: run it eagerly
+        if static.layer_step is layer_step:
+            raise
+        static.layer_step, static.compile_error = layer_step, f"{type(err).__name__}: {err}"
+        return fused_step(static.fused, layer_step, *args)
+
+
 def _step(model: Any, static: StaticDecode, rows: int, window: int) -> torch.Tensor:
     """One decode step over the static buffers: writes column index_1, returns logits (B, 1, V)."""
+    if static.fused is not None:
+        return _fused_step(static, rows, window)
     b = static.buffers
     out = model(
         input_ids=b.ids_R1[:rows],
@@ -166,12 +195,15 @@ def static_feed(static: StaticDecode, model: Any, live: LiveBatch, tok_B: torch.
     for layer in layers:
         layer._reserve(layer._k, B, window)  # grows only if the batch outgrew the pool
     b = _buffers(static, device)
+    if b.mask_of is not live.mask_BL:  # the batch changed (open, prefill, dropped rows)
+        b.mask_R11C[:B, 0, 0, :n].copy_(live.mask_BL.bool())
     live.mask_BL = torch.cat([live.mask_BL, real_B.long()[:, None]], dim=1)
     b.ids_R1[:B, 0].copy_(tok_B)
     b.pos_3R1[:, :B, 0].copy_(live.next_pos_B.view(1, B).expand(3, B))
     b.index_1.fill_(n)
-    b.mask_R11C[:B, 0, 0, : n + 1].copy_(live.mask_BL.bool())
+    b.mask_R11C[:B, 0, 0, n].copy_(real_B)  # otherwise only the new column is sent
     b.mask_R11C[:B, 0, 0, n + 1 : window] = False
+    b.mask_of = live.mask_BL
     for layer in layers:
         layer.static = (b.index_1, window)
     try:
@@ -194,9 +226,19 @@ class GraphEngine(TransformersEngine):
     def __init__(self, lm: Any, static: StaticDecode) -> None:
         super().__init__(lm)
         self.static = static
+        self.version: int | None = None  # the sampler version the model holds (None: unknown)
+
+    def use_version(self, version: int) -> None:
+        """The model now holds `version`: fused weights are re-merged at the next `open`."""
+        self.version = version
 
     def open(self, prompts_P: list[Stream], n: int) -> TransformersRows:
         """Prefill each prompt once into the pool, then share its cache among its n rows."""
+        fused = self.static.fused
+        if fused is not None and (self.version is None or fused.version != self.version):
+            from workbench.policy.fused import refresh
+
+            refresh(fused, self.lm.model, self.version)
         live = open_static(self.static)
         extend(self.lm.model, live, prompts_P, self.pad_id)
         repeat_rows(live, n)

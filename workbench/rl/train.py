@@ -156,12 +156,17 @@ def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
 
 
 def speed_settings(config: RunConfig) -> SpeedSettings:
-    """trainer.gradient_checkpointing, trainer.loss_tokens_only and generator.cuda_graphs (on a
-    CUDA device, with our sampler) as one record for the hosts (session/gpu.py)."""
+    """trainer.gradient_checkpointing / loss_tokens_only / lora_autocast and generator.cuda_graphs
+    / fused_decode / compile_decode (on a CUDA device, with our sampler) as one record for the
+    hosts (session/gpu.py)."""
     t, g = config.trainer, config.generator
     graphs = g.cuda_graphs and g.engine == "transformers" and config.model.device.startswith("cuda")
-    return SpeedSettings(t.gradient_checkpointing, t.loss_tokens_only, graphs,
-                         t.train_batch_size * g.n_samples_per_prompt)
+    return SpeedSettings(
+        gradient_checkpointing=t.gradient_checkpointing, loss_tokens_only=t.loss_tokens_only,
+        cuda_graphs=graphs, kv_rows=t.train_batch_size * g.n_samples_per_prompt,
+        lora_autocast=t.lora_autocast, selective_checkpointing=t.selective_checkpointing,
+        compile_layers=t.compile_layers,
+        fused_decode=g.fused_decode, compile_decode=g.compile_decode)
 
 
 def start(config: RunConfig, log: Any = print) -> Trainer:

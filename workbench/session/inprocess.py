@@ -32,6 +32,7 @@ import torch
 
 from workbench.envs import InitState, MazeConfig
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
+from workbench.model.lora import lora_in_model_dtype
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.policy.engine import Engine, EngineSettings, make_engine
 from workbench.policy.forward import token_logprobs
@@ -64,6 +65,7 @@ class ModelHost:
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     loaded_version: int | None = None  # which snapshot is in the model (None = trainer's)
     loss_tokens_only: bool = False  # lm_head only on weighted tokens in forward(_backward)
+    lora_autocast: bool = False  # adapters in the base dtype in forward(_backward) (bf16 bases)
 
     @property
     def pad_id(self) -> int:
@@ -162,7 +164,7 @@ def _forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig
     _with_trainer_weights(host)
     model = host.lm.model
     model.train(backward)
-    with torch.set_grad_enabled(backward):
+    with torch.set_grad_enabled(backward), lora_in_model_dtype(model, host.lora_autocast):
         streams = [d.stream for d in datums]
         keep = [[w != 0 for w in d.weights_T] for d in datums] if host.loss_tokens_only else None
         logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
