@@ -12,7 +12,8 @@ and long context, % of the bandwidth bound, the graph's GPU time alone), update 
 of the same 32 episodes under each --update-variants CKPT-LORA-MB[-c]: checkpointing full / sac /
 none, LoRA fp32 / bf16, mini-batch, compiled layers; --profile: the kernels of one call), step (one
 GRPO step of 8 mazes x 8 samples, 15 turns, easy 9x9 at 25 px: per phase, update tokens/s and
-MFU, peak memory of sampler and trainer, adapter handoff), scale (group 4/8/16 x easy/hard).
+MFU, peak memory of sampler and trainer, adapter handoff), turns (one step at each
+--scan-turns), scale (group 4/8/16 x easy/hard).
 Timing: CUDA events after a synchronize (host clock on the CPU), after warm-up; medians.
 
     python3 benchmarks/gpu.py --out $OUT --sections ceilings,update,step,scale --decode compiled \
@@ -526,6 +527,24 @@ def section_step(session: Session, args: Any, device: torch.device, facts: dict,
         f"{s_export:.2f} s, {RESULTS['step']['adapter_mb']:.0f} MB")
 
 
+def section_turns(session: Session, args: Any, device: torch.device, facts: dict,
+                  peak: float) -> None:
+    """The multi-turn cost at the seed shape: one GRPO step at each of --scan-turns (a warm-up
+    step at the largest first, so every graph window is captured before timing)."""
+    rows = RESULTS.setdefault("turns", [])
+    turns = sorted(args.scan_turns)
+    for k, t in enumerate([turns[-1]] + turns):
+        args.turns = t
+        res = grpo_step(session, seed_config(args), args.mazes, args.group, args.max_tokens,
+                        args.minibatch, seed=20 + t, device=device, facts=facts,
+                        peak_flops=peak, recompute=args.update.startswith("full"))
+        res["turns"] = t
+        print_step(f"turns {t}" + (" (warm-up)" if k == 0 else ""), res)
+        if k > 0:
+            rows.append(res)
+        save(Path(args.out))
+
+
 def section_scale(session: Session, args: Any, device: torch.device, facts: dict,
                   peak: float, deadline: float) -> None:
     rows = RESULTS.setdefault("scale", [])
@@ -587,21 +606,23 @@ def main() -> None:
     ap.add_argument("--scale-sizes", type=lambda s: [int(x) for x in s.split(",")],
                     default=[9, 11])
     ap.add_argument("--kv-tokens", type=int, default=3072)
+    ap.add_argument("--scan-turns", type=lambda s: [int(x) for x in s.split(",")],
+                    default=[5, 10, 15], help="turns section: max_turns values")
     ap.add_argument("--deadline", type=float, default=500.0, help="skip scale rows after (s)")
     ap.add_argument("--no-graphs", action="store_true")
     ap.add_argument("--decode-variants", type=lambda s: s.split(","),
                     default=["graphs", "fused", "compiled"])
-    ap.add_argument("--decode", default="fused", choices=["graphs", "fused", "compiled"],
+    ap.add_argument("--decode", default="compiled", choices=["graphs", "fused", "compiled"],
                     help="the decode step of the step and scale sections")
     ap.add_argument("--update-variants", type=lambda s: s.split(","),
-                    default=["full-fp32-16", "full-bf16-16", "sac-bf16-4", "sac-bf16-8",
-                             "none-bf16-4"])
+                    default=["full-fp32-16", "full-bf16-16", "sac-bf16-8", "none-bf16-4",
+                             "none-bf16-4-c"])
     ap.add_argument("--update", default="best",
                     help="the update variant of the step and scale sections (CKPT-LORA-MB), or "
                          "best: the fastest of the update section under --max-update-gb")
     ap.add_argument("--max-update-gb", type=float, default=125.0)
-    ap.add_argument("--fallback-update", default="full-bf16-16",
-                    help="scale: the update variant after an out-of-memory")
+    ap.add_argument("--fallback-update", default="none-bf16-2-c",
+                    help="scale: the update variant after an out-of-memory (run 9: G=16)")
     ap.add_argument("--profile", action="store_true", help="profile one forward_backward call")
     args = ap.parse_args()
     out = Path(args.out)
@@ -662,6 +683,9 @@ def main() -> None:
         if "step" in sections:
             section_step(session, args, device, facts, peak)
             save(out)
+        if "turns" in sections:
+            section_turns(session, args, device, facts, peak)
+            save(out)
         if "scale" in sections:
             section_scale(session, args, device, facts, peak, args.deadline)
             save(out)
@@ -696,6 +720,10 @@ def summary(res: dict) -> None:
               f"{m['handoff_s']:.3f}); update {m['update_tokens_per_s']:,.0f} tok/s MFU "
               f"{m['mfu_pct']:.1f}% HFU {m['hfu_pct']:.1f}%; peak sampler "
               f"{m['sampler_peak_gb']:.1f} GB trainer {m['trainer_peak_gb']:.1f} GB")
+    for r in res.get("turns", []):
+        print(f"turns {r['turns']:2d}: step {r['step_s']:6.1f} s rollout {r['rollout_s']:6.1f} "
+              f"(captures {r['graph_capture_s_in_rollout']:.1f}) update {r['update_s']:6.1f} "
+              f"tokens/episode {r['episode_tokens_mean']:.0f}")
     for r in res.get("scale", []):
         if "skipped" in r:
             print(f"scale size {r['size']} G {r['G']}: skipped")

@@ -134,16 +134,20 @@ def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
             assert b.logprobs == c.logprobs
 
 
-def test_fused_decode_matches_the_eager_sampler(small) -> None:
-    """Merged LoRA + fused projections + one function a layer == transformers and peft."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_decode_matches_the_eager_sampler(small, compiled: bool) -> None:
+    """Merged LoRA + fused projections + one function a layer (eager, or through torch.compile:
+    inductor's CPU backend here, its CUDA backend on the H200) == transformers and peft."""
+    from workbench.policy.fused import layer_step
     from workbench.policy.graphs import GraphEngine, make_static_decode
 
     prompts = _prompts(small)
     eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
     static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=False,
-                                fused=True)
+                                fused=True, compiled=compiled)
     fused = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     assert static.fused.version is None and not static.compile_error
+    assert (static.layer_step is not layer_step) == compiled  # no silent fall-back to eager
     for a_turn, b_turn in zip(eager, fused):
         for a, b in zip(a_turn, b_turn):
             assert a.tokens == b.tokens

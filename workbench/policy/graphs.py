@@ -13,7 +13,10 @@ replayed:
 - one graph per (rows, window, pool generation), captured on first use; the warm-up run of a
   capture is the real step (a step only writes column n, so running it twice is harmless).
 
-Prefill (`extend`) stays eager: one call a turn. Sampling from the logits stays eager too (a few
+With `fused` the step does not call the transformers model at all: `policy.fused` runs it over
+a merged, fused copy of the text weights (optionally torch.compile'd before capture), re-merged
+by `GraphEngine.open` when the sampler's weights version changed. Prefill (`extend`) stays
+eager: one call a turn. Sampling from the logits stays eager too (a few
 kernels). Without CUDA (`use_graphs=False`) the same static step runs eagerly: that is what the
 CPU tests check against the eager sampler.
 
