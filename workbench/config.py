@@ -93,7 +93,9 @@ class GeneratorConfig:
     """With cuda_graphs: decode steps read the sampler's own copy of the text weights with the
     LoRA adapter merged in and q/k/v and gate/up fused (4 GEMMs a layer instead of 7 plus peft's
     LoRA kernels); re-merged when the sampler's weights version changes. Costs the text matrices
-    once more in GPU memory (13.9 GB for the 8B shape) (workbench/policy/fused.py)."""
+    once more in GPU memory (13.9 GB for the 8B shape), and W + BA rounded to bf16 makes the
+    sampler's log-probs differ from the trainer's ~4x more than unmerged LoRA (KL 1.5e-3 to
+    4.2e-3 on the H200; benchmarks/RESULTS.md) (workbench/policy/fused.py)."""
     compile_decode: bool = False
     """With fused_decode: torch.compile each layer's decode step (norms, rotary, epilogues fused)
     before it is captured; a compile failure falls back to the eager step and says why."""
