@@ -57,7 +57,6 @@ class FusedWeights:
     lm_head: Any  # the model's lm_head module
     heads: int
     kv_heads: int
-    head_dim: int
     eps: float
     version: int | None = None  # the sampler weights version these were merged from
 
@@ -109,7 +108,7 @@ def fuse_weights(model: Any, version: int | None = None) -> FusedWeights:
         layers = [FusedLayer(**_layer_tensors(layer)) for layer in text.layers]
     return FusedWeights(layers=layers, text=text, lm_head=base.lm_head,
                         heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
-                        head_dim=cfg.head_dim, eps=cfg.rms_norm_eps, version=version)
+                        eps=cfg.rms_norm_eps, version=version)
 
 
 def refresh(fused: FusedWeights, model: Any, version: int | None) -> None:
