@@ -377,7 +377,7 @@ def profile_update(tc: Any, datums: list, loss: Any, out: Path) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        tc.forward_backward(datums, "ppo", loss).result()
+        fb_call(tc, datums, loss)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,

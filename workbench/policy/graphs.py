@@ -34,6 +34,13 @@ from typing import Any
 import torch
 
 from workbench.policy.engine import TransformersEngine, TransformersRows
+from workbench.policy.fused import (
+    compiled_layer_step,
+    fuse_weights,
+    fused_step,
+    layer_step,
+    refresh,
+)
 from workbench.policy.kvcache import pool_cache
 from workbench.policy.sampler import LiveBatch, extend, repeat_rows
 from workbench.policy.stream import Stream
@@ -79,8 +86,6 @@ def make_static_decode(model: Any, rows: int, capacity: int, bucket: int = 256,
     """A pool for `rows` rows x `capacity` tokens (grown if a batch needs more); graphs on CUDA.
     fused: decode through a merged, fused copy of the text weights (`policy.fused`); compiled:
     its layer step through torch.compile."""
-    from workbench.policy.fused import compiled_layer_step, fuse_weights, layer_step
-
     layers = model.config.text_config.num_hidden_layers
     capacity = -(-capacity // bucket) * bucket
     on_cuda = model.device.type == "cuda"
@@ -124,8 +129,6 @@ def _buffers(static: StaticDecode, device: torch.device) -> StaticBuffers:
 
 def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
     """The step through `policy.fused`; a compiled layer step that fails falls back to eager."""
-    from workbench.policy.fused import fused_step, layer_step
-
     b = static.buffers
     args = (static.cache.layers, b.ids_R1[:rows], b.pos_3R1[:, :rows], b.index_1,
             b.mask_R11C[:rows, :, :, :window])
@@ -239,8 +242,6 @@ class GraphEngine(TransformersEngine):
         """Prefill each prompt once into the pool, then share its cache among its n rows."""
         fused = self.static.fused
         if fused is not None and (self.version is None or fused.version != self.version):
-            from workbench.policy.fused import refresh
-
             refresh(fused, self.lm.model, self.version)
         live = open_static(self.static)
         extend(self.lm.model, live, prompts_P, self.pad_id)
