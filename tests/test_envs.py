@@ -30,9 +30,17 @@ from workbench.envs import (
     render_image,
     shortest_path_lengths,
     system_prompt,
-    train_seeds,
 )
 from workbench.envs.env import FIRST_TRAIN_SEED
+from workbench.envs.evalsets import (
+    RESEED_STRIDE,
+    distinct_tasks,
+    eval_task_keys,
+    init_maze,
+    task_key,
+    train_maze,
+    train_states,
+)
 from workbench.envs.maze import DELTAS
 
 # Printed by VisGym's own Maze2DEnv generation code (maze_2d.py at commit 0289034) for these
@@ -238,10 +246,16 @@ def test_reset_observation_and_info() -> None:
     assert env.maze == make_maze(7, 5) and env.turn == 0 and not env.done
 
 
-def test_reset_without_seed_uses_train_range() -> None:
+def test_reset_without_seed_draws_a_held_out_training_maze() -> None:
     env = MazeEnv()
-    env.reset()
-    assert env.maze.seed >= FIRST_TRAIN_SEED
+    seeds = set()
+    for k in range(30):
+        env.reset(seed=k)  # seeds the env's generator; then draws without a seed
+        env.reset()
+        seeds.add(env.maze.seed)
+        assert env.maze.seed >= FIRST_TRAIN_SEED
+        assert task_key(env.maze) not in eval_task_keys(7)
+    assert len(seeds) == 30
 
 
 def test_budget_text_is_visgyms() -> None:
@@ -383,12 +397,58 @@ def test_system_prompt_mentions_actions() -> None:
 
 # ---- eval sets ---------------------------------------------------------------------------
 
-def test_seeds_are_disjoint() -> None:
-    assert EVAL_SEEDS == range(64)
-    seeds = train_seeds()
-    first = [next(seeds) for _ in range(1000)]
-    assert not set(first) & set(EVAL_SEEDS) and len(set(first)) == 1000
-    assert next(train_seeds(5)) == first[5]
+@pytest.mark.parametrize("size", [7, 9, 11, 13])
+def test_training_mazes_never_hold_an_eval_task(size: int) -> None:
+    held = eval_task_keys(size)
+    assert held == {task_key(make_maze(size, seed)) for seed in EVAL_SEEDS}
+    mazes = [train_maze(size, i) for i in range(2_000)]
+    assert not {task_key(m) for m in mazes} & held
+    assert all(m.seed >= FIRST_TRAIN_SEED for m in mazes)
+    assert train_maze(size, 17) == mazes[17]  # a function of the index
+
+
+def test_the_7x7_eval_tasks_are_reseeded_by_construction() -> None:
+    # Plain seeds from FIRST_TRAIN_SEED hit the 60 eval tasks about once in 13 (768 tasks in
+    # all); each such index takes seed + k * RESEED_STRIDE instead.
+    plain = [make_maze(7, FIRST_TRAIN_SEED + i) for i in range(2_000)]
+    hits = [i for i, m in enumerate(plain) if task_key(m) in eval_task_keys(7)]
+    assert 100 < len(hits) < 220
+    for i in hits[:20]:
+        maze = train_maze(7, i)
+        assert (maze.seed - FIRST_TRAIN_SEED - i) % RESEED_STRIDE == 0
+        assert maze.seed != plain[i].seed
+
+
+def test_distinct_task_counts() -> None:
+    # Kirchhoff: spanning trees of the 2x2, 3x3, 4x4 and 5x5 cell grids (OEIS A007341) x 4 goals.
+    assert [distinct_tasks(s) for s in (5, 7, 9, 11)] == [16, 768, 401_408, 2_230_272_000]
+    assert [len(eval_task_keys(s)) for s in (5, 7, 9, 11)] == [16, 60, 64, 64]
+    counted = {task_key(make_maze(7, seed)) for seed in range(20_000)}
+    assert len(counted) == distinct_tasks(7)
+
+
+def test_5x5_has_nothing_left_to_train_on() -> None:
+    with pytest.raises(ValueError, match="16 distinct tasks and the 64-maze eval set holds all"):
+        train_maze(5, 0)
+    with pytest.raises(ValueError, match="size 7 or larger"):
+        MazeEnv(MazeConfig(size=5)).reset()
+
+
+def test_the_demo_and_the_pretrained_policy_never_train_on_an_eval_task() -> None:
+    from workbench.demo import demo_config
+    from workbench.rl.pretrained import RECIPE
+    from workbench.rl.sft import SFT_INDEX_OFFSET
+    from workbench.rl.train import step_mazes
+
+    held = eval_task_keys(7)
+    sft = train_states(7, SFT_INDEX_OFFSET + RECIPE.seed * 100_000_000,
+                       RECIPE.steps * RECIPE.batch_size)
+    for long in (False, True):
+        config = demo_config(Path("unused"), long)
+        assert config.env.size == RECIPE.size == 7
+        grpo = [s for step in range(1, config.trainer.total_steps + 1)
+                for s in step_mazes(config, step)]
+        assert not {task_key(init_maze(s)) for s in sft + grpo} & held
 
 
 def test_eval_set_is_the_seeded_mazes() -> None:

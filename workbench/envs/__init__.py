@@ -23,10 +23,15 @@ from workbench.envs.env import (
 )
 from workbench.envs.evalsets import (
     EVAL_SEEDS,
+    check_trainable,
+    distinct_tasks,
     eval_set,
+    eval_task_keys,
     oracle_ceiling,
     shortest_path_lengths,
-    train_seeds,
+    task_key,
+    train_maze,
+    train_states,
 )
 from workbench.envs.maze import (
     SIZES,
@@ -52,8 +57,11 @@ __all__ = [
     "MazeEnv",
     "RewardFn",
     "budget_text",
+    "check_trainable",
+    "distinct_tasks",
     "episode_reward",
     "eval_set",
+    "eval_task_keys",
     "format_action",
     "init_maze",
     "make_maze",
@@ -65,5 +73,7 @@ __all__ = [
     "shortest_path",
     "shortest_path_lengths",
     "system_prompt",
-    "train_seeds",
+    "task_key",
+    "train_maze",
+    "train_states",
 ]

@@ -56,7 +56,8 @@ OBSERVATIONS: tuple[str, ...] = ("image", "ascii")
 """Views a model can be shown; the observation dict always carries both."""
 
 FIRST_TRAIN_SEED = 1_000_000
-"""Seeds drawn by reset() without a seed (and train seeds) start here, clear of eval seeds."""
+"""Training maze index i starts from seed FIRST_TRAIN_SEED + i (evalsets.train_maze), clear of
+the eval seeds; reset() without a seed draws a random training index."""
 
 FEEDBACK_OK = "Action executed successfully."
 FEEDBACK_WALL = "Cannot move into a wall."
@@ -68,8 +69,8 @@ class MazeConfig:
 
     size: int = 7
     """Cells per side incl. the outer wall (5, 7, 9 easy, 11 hard); a name in SIZES works too."""
-    px_per_cell: int = 32
-    """Pixels per cell: 25 = VisGym fidelity, 32 = one Qwen3-VL image token per cell."""
+    px_per_cell: int = 16
+    """Pixels per cell: 25 = VisGym fidelity, 16 = one vision patch per square (tiny default)."""
     grammar: str = "keyword"
     """Reply grammar, a key of GRAMMARS ("keyword" or VisGym's "tuple")."""
     max_turns: int = 15
@@ -255,7 +256,8 @@ class MazeEnv(_EnvBase):
     def reset(
         self, *, seed: int | None = None, options: dict[str, Any] | None = None
     ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """Start maze `seed` (a fresh train seed if None), or options["init_state"] exactly."""
+        """Start maze `seed`, or options["init_state"] exactly, or (neither given) a random
+        training maze, never one of the eval set's tasks (evalsets.train_maze)."""
         super().reset(seed=seed)
         state = (options or {}).get("init_state")
         if state is not None:
@@ -263,10 +265,13 @@ class MazeEnv(_EnvBase):
             if state.size != self.config.size:
                 raise ValueError(f"init_state size {state.size} != config size {self.config.size}")
             self._maze = init_maze(state)
+        elif seed is not None:
+            self._maze = make_maze(self.config.size, seed)
         else:
-            maze_seed = seed if seed is not None else int(
-                self.np_random.integers(FIRST_TRAIN_SEED, 2**31))
-            self._maze = make_maze(self.config.size, maze_seed)
+            from workbench.envs.evalsets import train_maze
+
+            index = int(self.np_random.integers(0, 2**31 - FIRST_TRAIN_SEED))
+            self._maze = train_maze(self.config.size, index)
         self._pos, self._turn, self._n_valid, self._done = self._maze.start, 0, 0, False
         info = {"feedback": "", "turn": 0, "success": False, "task_reward": 0.0,
                 "budget_text": budget_text(0, self.config.max_turns)}
