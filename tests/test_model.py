@@ -84,22 +84,24 @@ def test_loads_through_auto_classes(tiny_dir: Path) -> None:
     assert type(processor).__name__ == "Qwen3VLProcessor"
     image_processor = processor.image_processor
     assert image_processor.patch_size == 16
-    assert image_processor.merge_size == 2
+    assert image_processor.merge_size == 7
     assert list(image_processor.image_mean) == [0.5, 0.5, 0.5]
     assert list(image_processor.image_std) == [0.5, 0.5, 0.5]
 
 
-def test_maze_image_is_one_token_per_square(tiny) -> None:
+def test_maze_image_is_one_patch_per_square_and_one_token(tiny) -> None:
     obs, _ = _observation()
-    assert obs["image"].shape == (224, 224, 3)
+    assert obs["image"].shape == (112, 112, 3)  # 7 squares of 16 px
     image = encode_image(tiny.processor, obs["image"])
-    assert image.grid_thw.tolist() == [1, 14, 14]
-    assert image.n_patches == 196
-    assert image.pixel_values.shape == (196, 3 * 2 * 16 * 16)
+    assert image.grid_thw.tolist() == [1, 7, 7]  # one 16 px patch per square, no resizing
+    assert image.n_patches == 49 == CONFIG.size**2
+    assert image.pixel_values.shape == (49, 3 * 2 * 16 * 16)
     fmt = chat_format(tiny.processor)
-    assert fmt.merge == 2
+    assert fmt.merge == 7
     stream = _stream(tiny)
-    assert stream.tokens_T.count(fmt.image_pad) == 49 == CONFIG.size**2
+    assert stream.tokens_T.count(fmt.image_pad) == 1  # the merger makes the 49 squares one token
+    vision = tiny.model.model.visual
+    assert vision.merger.linear_fc1.in_features == 49 * vision.config.hidden_size
 
 
 def test_load_tiny_by_name_uses_cache(tiny_dir: Path, workbench_cache: Path) -> None:

@@ -29,7 +29,7 @@ from workbench.policy import (
 )
 from workbench.rl import play_model, user_text
 
-SMALL = MazeConfig(size=5, max_turns=4)  # 5x5 at 32 px: 25 image tokens per observation
+SMALL = MazeConfig(size=5, max_turns=4)  # one image token per observation (merge 7)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_chat_format_ids(fmt: ChatFormat) -> None:
     # endoftext, im_start, vision start/end/pad, image_pad, video_pad
     assert fmt.banned == (0, 1, 9, 10, 11, 12, 13)
     assert fmt.im_end not in fmt.banned
-    assert fmt.merge == 2
+    assert fmt.merge == 7
 
 
 def test_stream_side_tables_and_masks(tiny, fmt: ChatFormat) -> None:
@@ -97,7 +97,7 @@ def test_stream_side_tables_and_masks(tiny, fmt: ChatFormat) -> None:
     assert stream.loss_mask_T[n_second_prompt + 2] == 0  # the added <|im_end|>
     image_at = [t for t in range(T) if stream.tokens_T[t] == fmt.image_pad]
     assert [t for t in range(T) if stream.mm_types_T[t] == 1] == image_at
-    assert len(image_at) == 2 * 25 and len(stream.images) == 2
+    assert len(image_at) == 2 * 1 and len(stream.images) == 2
     assert stream.tokens_T.count(fmt.vision_start) == stream.tokens_T.count(fmt.vision_end) == 2
     assert n_first < n_second_prompt
 
@@ -309,6 +309,39 @@ def test_token_logprobs_is_padding_invariant(tiny, fmt: ChatFormat, pad_id: int)
     assert alone.shape == batched.shape == (len(short),)
     assert alone[0] == 0.0
     assert torch.allclose(alone, batched, atol=1e-4)
+
+
+def test_distinct_images_are_encoded_once_with_the_same_result(tiny_dir: Path, monkeypatch,
+                                                              fmt: ChatFormat,
+                                                              pad_id: int) -> None:
+    """The update encodes each distinct image once and repeats its features: log-probs and
+    gradients equal those of encoding every occurrence (the code before)."""
+    import workbench.policy.forward as forward
+
+    lm = load_model(tiny_dir)
+    streams = []
+    for reply in ("up", "left"):  # two episodes of maze 0: the same first image
+        stream, env = _first_stream(lm, fmt, seed=0)
+        stream = append_reply(stream, fmt, [fmt.im_end], [0.0])
+        streams.append(_next_turn(lm, fmt, stream, env, reply))
+    batch = forward.make_batch(lm.model, streams, pad_id, left=False, distinct_images=True)
+    assert batch.image_index_N[0] == batch.image_index_N[2] == 0
+    assert batch.pixel_values.shape[0] < sum(len(s.images) for s in streams) * 49
+
+    def logprobs_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lm.model.zero_grad(set_to_none=True)
+        logps, _ = token_logprobs(lm.model, streams, 1.0, fmt.banned, pad_id)
+        torch.cat(logps).sum().backward()
+        grads = {n: p.grad.clone() for n, p in lm.model.named_parameters() if p.grad is not None}
+        return torch.cat(logps).detach(), grads
+
+    once, grads_once = logprobs_and_grads()
+    monkeypatch.setattr(forward, "takes_encoder_outputs", lambda cls: False)
+    every, grads_every = logprobs_and_grads()
+    assert torch.allclose(once, every, atol=1e-6)
+    assert grads_once.keys() == grads_every.keys() and any("visual" in n for n in grads_once)
+    for name, g in grads_once.items():  # equal up to float32 summation order
+        assert (g - grads_every[name]).norm() <= 1e-5 * grads_every[name].norm() + 1e-9, name
 
 
 # ---------------------------------------------------------------- KV cache reuse

@@ -35,7 +35,7 @@ from workbench.session import (
 from workbench.session.inprocess import KEEP_VERSIONS
 
 LORA = LoraSettings(rank=4, alpha=8)
-SMALL = MazeConfig(size=5, max_turns=3)  # 25 image tokens per observation
+SMALL = MazeConfig(size=5, max_turns=3)  # one image token per observation (merge 7)
 ADAM = AdamParams(learning_rate=1e-2)
 PARAMS = SamplingParams(max_tokens=2)
 

@@ -70,9 +70,11 @@ def _eval(args: argparse.Namespace) -> None:
 
 
 def adapter_settings(folder: str) -> LoraSettings:
-    """LoRA rank / alpha read from an adapter folder's adapter_config.json."""
+    """LoRA rank / alpha (and whether it adapts the vision tower) read from an adapter
+    folder's adapter_config.json."""
     cfg = json.loads((Path(folder) / "adapter_config.json").read_text())
-    return LoraSettings(rank=int(cfg["r"]), alpha=int(cfg["lora_alpha"]))
+    return LoraSettings(rank=int(cfg["r"]), alpha=int(cfg["lora_alpha"]),
+                        vision="visual" in str(cfg["target_modules"]))
 
 
 def _replay(args: argparse.Namespace) -> None:
@@ -241,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir")
     rp.add_argument("--step", type=int, required=True)
     rp.set_defaults(func=_replay)
-    demo = sub.add_parser("demo", help="SFT baseline -> GRPO on the tiny default, with plots")
+    demo = sub.add_parser("demo", help="tiny-sft -> GRPO on held-out mazes, with the seed-style table and plots")
     demo.add_argument("--out", default="runs/demo", help="output folder")
-    demo.add_argument("--long", action="store_true", help="the longer run (make demo-long)")
+    demo.add_argument("--long", action="store_true", help="3,000 more SFT steps first, then 100 GRPO steps (make demo-long)")
     demo.set_defaults(func=_demo)
     _job_commands(sub, keys)
     _serving_commands(sub)

@@ -1,9 +1,12 @@
-"""Load a Qwen3-VL policy: the tiny default, a local checkpoint folder, or a hub id.
+"""Load a Qwen3-VL policy: the tiny default, the pretrained tiny policy, a local checkpoint folder,
+or a hub id.
 
-All three go through `AutoModelForImageTextToText.from_pretrained` and
-`AutoProcessor.from_pretrained`, so the tiny default exercises the real loading path.
-`"tiny"` builds the embedded default into the cache on first use (see `workbench.model.tiny`).
-A hub id is passed through unchanged (transformers resolves it); tests and CI only use folders.
+All go through `AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained`,
+so the tiny default exercises the real loading path. `"tiny"` builds the embedded default (random
+weights) into the cache on first use (`workbench.model.tiny`); `"tiny-sft"` builds the pretrained
+tiny policy from it the same way (`workbench.rl.pretrained`: an SFT recipe, so that module lives
+with the other training code and is imported only when that name is asked for). A hub id is
+passed through unchanged (transformers resolves it); tests and CI only use folders.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from workbench.model.tiny import TINY_NAME, tiny_path
+from workbench.model.tiny import TINY_NAME, TINY_SFT_NAME, tiny_path
 
 
 @dataclass
@@ -29,9 +32,14 @@ class LoadedModel:
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map "tiny" to the built default's folder; return folders and hub ids unchanged."""
+    """Map "tiny" and "tiny-sft" to their built folders (building them on first use); return
+    folders and hub ids unchanged."""
     if name_or_path == TINY_NAME:
         return str(tiny_path())
+    if name_or_path == TINY_SFT_NAME:
+        from workbench.rl.pretrained import tiny_sft_path
+
+        return str(tiny_sft_path())
     return name_or_path
 
 

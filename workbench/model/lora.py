@@ -13,21 +13,29 @@ LANGUAGE_PROJECTIONS: tuple[str, ...] = (
 )
 
 
+VISION_LINEARS = (r"visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
+                  r"|merger\.linear_fc[12]|deepstack_merger_list\.\d+\.linear_fc[12])")
+"""The vision tower's linear layers and its mergers (the patch embedding, a convolution, stays)."""
+
+
 @dataclass(frozen=True)
 class LoraSettings:
-    """LoRA adapter shape; the vision tower is left frozen and un-adapted."""
+    """LoRA adapter shape: the language model's projections, and optionally the vision tower."""
 
     rank: int = 32  # LoRA rank r (the seed uses 32)
     alpha: int = 64  # LoRA alpha; the update is scaled by alpha / rank
     dropout: float = 0.0  # LoRA dropout (0 keeps sampler and trainer log-probs identical)
     target_modules: tuple[str, ...] = LANGUAGE_PROJECTIONS  # projection names in the text model
     init_seed: int = 0  # seed for the A matrices (B starts at zero)
+    vision: bool = False  # also adapt the vision tower's linears and the merger (VISION_LINEARS)
 
     @property
     def target_regex(self) -> str:
-        """peft regex selecting the targets inside the language model only."""
+        """peft regex selecting the targets: the language model's projections, and with
+        `vision` the vision tower's linear layers too."""
         names = "|".join(self.target_modules)
-        return rf".*language_model.*\.({names})"
+        text = rf"language_model.*\.({names})"
+        return rf".*({text}|{VISION_LINEARS})" if self.vision else rf".*{text}"
 
 
 def add_lora(model: Any, settings: LoraSettings = LoraSettings()) -> Any:

@@ -35,8 +35,6 @@ class ShapeSpec:
     """A Qwen3-VL shape: TinySpec's fields plus the ones the 8B differs in."""
 
     spec: TinySpec  # dimensions shared with the tiny builder
-    vision_hidden: int  # vision tower width (the tiny default uses the text width)
-    vision_heads: int  # vision attention heads
     vocab: int  # embedding / lm_head rows (the tokenizer may be smaller)
     rope_theta: float = 5_000_000.0  # M-RoPE base
     tie_embeddings: bool = False  # the 8B has a separate lm_head
@@ -46,19 +44,20 @@ class ShapeSpec:
 QWEN3_VL_8B = ShapeSpec(
     spec=TinySpec(
         hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, mrope_section=(24, 20, 20),
-        intermediate=12288, vision_depth=27, vision_intermediate=4304, deepstack=(8, 16, 24),
-        vocab_size=512, patch=16, merge=2, min_pixels=65536, max_pixels=16777216,
+        intermediate=12288, vision_hidden=1152, vision_heads=16, vision_depth=27,
+        vision_intermediate=4304, deepstack=(8, 16, 24), vocab_size=512, patch=16, merge=2,
+        min_pixels=65536, max_pixels=16777216,
     ),
-    vision_hidden=1152, vision_heads=16, vocab=151936,
+    vocab=151936,
 )
 
 # The same code path at a size a CPU runs in seconds (for dry runs of benchmarks/gpu.py and
 # tests): real vocabulary and GQA ratio, few and narrow layers.
 QWEN3_VL_SMALL = ShapeSpec(
     spec=replace(QWEN3_VL_8B.spec, hidden=256, layers=2, heads=8, kv_heads=2, head_dim=32,
-                 mrope_section=(4, 6, 6), intermediate=512, vision_depth=2,
-                 vision_intermediate=256, deepstack=(1,)),
-    vision_hidden=128, vision_heads=4, vocab=151936,
+                 mrope_section=(4, 6, 6), intermediate=512, vision_hidden=128, vision_heads=4,
+                 vision_depth=2, vision_intermediate=256, deepstack=(1,)),
+    vocab=151936,
 )
 
 SHAPES: dict[str, ShapeSpec] = {
@@ -73,7 +72,6 @@ def shape_config(shape: ShapeSpec, token_ids: dict[str, int]) -> Any:
     text, vision = config.text_config, config.vision_config
     text.rope_parameters = {**text.rope_parameters, "rope_theta": shape.rope_theta}
     text.max_position_embeddings = 262144
-    vision.hidden_size, vision.num_heads = shape.vision_hidden, shape.vision_heads
     vision.out_hidden_size = shape.spec.hidden
     vision.num_position_embeddings = shape.num_position_embeddings
     vision.hidden_act = "gelu_pytorch_tanh"

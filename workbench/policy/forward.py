@@ -4,16 +4,25 @@
 sampling temperature, the banned (vision special) tokens removed, log-softmax. The sampler
 reports it for every token it draws; the trainer recomputes it over the same stream. Before any
 update the two agree within float tolerance (tests/test_policy.py pins it).
+
+The trainer's batches encode each distinct image once (`make_batch(..., distinct_images=True)`):
+the G episodes of a maze see the same squares again and again, and the vision tower's features
+of an image do not depend on where it sits. Its output is handed to the model as
+`mm_encoder_outputs` (transformers >= 5.20), each image's features repeated where it occurs, so
+the gradient of a repeated image is the sum over its uses, as without the sharing.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
 
-from workbench.policy.stream import Stream
+from workbench.policy.stream import Stream, VisionInput
 
 
 @dataclass
@@ -24,10 +33,12 @@ class Batch:
     attention_mask_BL: torch.Tensor | None
     mm_types_BL: torch.Tensor
     position_ids_3BL: torch.Tensor  # M-RoPE positions (temporal, height, width)
-    pixel_values: torch.Tensor | None  # all images, stream order then image order
+    pixel_values: torch.Tensor | None  # all images, stream order then image order (or distinct)
     grid_thw_N3: torch.Tensor | None
     lengths_B: list[int]
     left_padded: bool
+    image_index_N: list[int] | None = None
+    # distinct images: pixel_values/grid hold each once, occurrence n is image image_index_N[n]
 
 
 def core_model(model: Any) -> Any:
@@ -36,8 +47,10 @@ def core_model(model: Any) -> Any:
     return base.model
 
 
-def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool) -> Batch:
-    """Pad streams to one batch (left padding for sampling, right for training)."""
+def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool,
+               distinct_images: bool = False) -> Batch:
+    """Pad streams to one batch (left padding for sampling, right for training); with
+    `distinct_images`, equal images (same pixels) are encoded once (see the module docstring)."""
     lengths = [len(s) for s in streams]
     L = max(lengths)
     ids = torch.full((len(streams), L), pad_id, dtype=torch.long)
@@ -49,22 +62,65 @@ def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool) -> Ba
         mask[b, sl] = 1
         types[b, sl] = torch.tensor(s.mm_types_T)
     images = [img for s in streams for img in s.images]
-    pixels = torch.cat([i.pixel_values for i in images]) if images else None
     grid = torch.stack([i.grid_thw for i in images]) if images else None
-    device = model.device
     positions, _ = core_model(model).get_rope_index(
         ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
     )
+    index = None
+    if images and distinct_images and takes_encoder_outputs(type(core_model(model))):
+        images, index = distinct(images)
+    pixels = torch.cat([i.pixel_values for i in images]) if images else None
+    device = model.device
     return Batch(
         input_ids_BL=ids.to(device),
         attention_mask_BL=mask.to(device),
         mm_types_BL=types.to(device),
         position_ids_3BL=positions.to(device),
         pixel_values=pixels.to(device, model.dtype) if pixels is not None else None,
-        grid_thw_N3=grid.to(device) if grid is not None else None,
+        grid_thw_N3=torch.stack([i.grid_thw for i in images]).to(device) if images else None,
         lengths_B=lengths,
         left_padded=left,
+        image_index_N=index,
     )
+
+
+def distinct(images: list[VisionInput]) -> tuple[list[VisionInput], list[int]]:
+    """The distinct images (by pixel bytes and grid) in first-seen order, and for each input
+    image the index of its distinct one. Equal objects are hashed once."""
+    digests: dict[int, bytes] = {}
+    first: dict[bytes, int] = {}
+    kept, index_N = [], []
+    for img in images:
+        if id(img) not in digests:
+            digest = hashlib.sha1(img.pixel_values.contiguous().numpy().tobytes())
+            digest.update(img.grid_thw.numpy().tobytes())
+            digests[id(img)] = digest.digest()
+        key = digests[id(img)]
+        if key not in first:
+            first[key] = len(kept)
+            kept.append(img)
+        index_N.append(first[key])
+    return kept, index_N
+
+
+@cache
+def takes_encoder_outputs(model_class: type) -> bool:
+    """Whether this Qwen3-VL model class takes precomputed `mm_encoder_outputs` (transformers
+    >= 5.20); older versions get every image's pixels instead."""
+    return "mm_encoder_outputs" in inspect.signature(model_class.forward).parameters
+
+
+def vision_inputs(model: Any, batch: Batch) -> dict[str, Any]:
+    """The image arguments of a forward over `batch`: its pixels, or (distinct images) the
+    vision tower's output on them, repeated to every occurrence, as mm_encoder_outputs."""
+    if batch.image_index_N is None:
+        return {"pixel_values": batch.pixel_values, "image_grid_thw": batch.grid_thw_N3}
+    enc = core_model(model).get_image_features(batch.pixel_values, batch.grid_thw_N3,
+                                               return_dict=True)
+    index = batch.image_index_N
+    enc.pooler_output = [enc.pooler_output[i] for i in index]
+    enc.deepstack_features = [[feats[i] for i in index] for feats in enc.deepstack_features]
+    return {"mm_encoder_outputs": {"image": enc}}
 
 
 def forward_logits(model: Any, batch: Batch, **kwargs: Any) -> Any:
@@ -73,9 +129,8 @@ def forward_logits(model: Any, batch: Batch, **kwargs: Any) -> Any:
         input_ids=batch.input_ids_BL,
         attention_mask=batch.attention_mask_BL,
         position_ids=batch.position_ids_3BL,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.grid_thw_N3,
         mm_token_type_ids=batch.mm_types_BL,
+        **vision_inputs(model, batch),
         **kwargs,
     )
 
@@ -105,7 +160,7 @@ def token_logprobs(
     0 (log-prob and entropy). With a 151936-word vocabulary that is most of the memory of a
     training step: the reply tokens are a few percent of an episode.
     """
-    batch = make_batch(model, streams, pad_id, left=False)
+    batch = make_batch(model, streams, pad_id, left=False, distinct_images=True)
     # Right padding + causal attention: real tokens never see the pads, so no mask is needed,
     # and SDPA takes its fused causal kernel (identical values on real tokens, ~25% faster).
     batch.attention_mask_BL = None
@@ -131,8 +186,7 @@ def _kept_logprobs(model: Any, batch: Batch, keep_B_T: list[list[bool]], tempera
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden_BLD = base.model(
         input_ids=batch.input_ids_BL, position_ids=batch.position_ids_3BL,
-        pixel_values=batch.pixel_values, image_grid_thw=batch.grid_thw_N3,
-        mm_token_type_ids=batch.mm_types_BL, use_cache=False,
+        mm_token_type_ids=batch.mm_types_BL, use_cache=False, **vision_inputs(model, batch),
     ).last_hidden_state
     B, L = batch.input_ids_BL.shape
     keep_BL = torch.zeros(B, L, dtype=torch.bool)

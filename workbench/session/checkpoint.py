@@ -221,6 +221,9 @@ def load_adapter_weights(host: ModelHost, folder: Path) -> None:
     if (config["r"], config["lora_alpha"]) != (host.lora.rank, host.lora.alpha):
         raise ValueError(f"adapter {folder} has rank/alpha {config['r']}/{config['lora_alpha']},"
                          f" this session {host.lora.rank}/{host.lora.alpha}")
+    if config["target_modules"] != host.lora.target_regex:
+        raise ValueError(f"adapter {folder} adapts {config['target_modules']!r}, this session "
+                         f"{host.lora.target_regex!r} (lora.vision)")
     tensors = load_file(str(folder / ADAPTER_FILE))
     _with_trainer_weights(host)
     _set_weights(host, tensors, folder)
