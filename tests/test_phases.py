@@ -35,7 +35,7 @@ from workbench.session import (
     datum_from_stream,
 )
 
-SMALL = MazeConfig(size=5, max_turns=3)  # 25 image tokens per observation
+SMALL = MazeConfig(size=5, max_turns=3)  # one image token per observation (merge 7)
 
 
 def _done(value) -> Future:
@@ -214,6 +214,67 @@ def test_make_datums_keeps_every_episode_without_drop_zero(streams) -> None:
         assert d.weights_T == tuple(float(m) for m in d.stream.loss_mask_T)
 
 
+def _walk(positions: list[tuple[int, int]], reward: float) -> Episode:
+    """An episode that stood on `positions` (start first) and ended with `reward`."""
+    turns = len(positions) - 1
+    return Episode(init_state=_state(), replies=["up"] * turns, positions=positions,
+                   reward=reward, success=reward > 0)
+
+
+def test_step_advantages_compare_turns_from_the_same_square() -> None:
+    from workbench.rl.phases import step_advantages
+
+    s, a, b, goal = (3, 1), (2, 1), (3, 2), (1, 1)
+    group = [_walk([s, a, goal], 1.0),  # returns 0.9, 1.0
+             _walk([s, s, a, goal], 1.0),  # bumped at s first: returns 0.81, 0.9, 1.0
+             _walk([s, b, b], 0.0)]  # failed: returns 0, 0
+    rewards = np.array([[1.0, 1.0, 0.0]])
+    [[adv_a, adv_bump, adv_fail]] = step_advantages([group], rewards, "dr_grpo", gamma=0.9)
+    # square s: 0.9 (ep 0), 0.81 and 0.9 (ep 1), 0.0 (ep 2); mean 0.6525. Square a: 1.0 twice
+    # (equal: 0). Square b: one turn only (0).
+    np.testing.assert_allclose(adv_a, [0.9 - 0.6525, 0.0])
+    np.testing.assert_allclose(adv_bump, [0.81 - 0.6525, 0.9 - 0.6525, 0.0])
+    np.testing.assert_allclose(adv_fail, [0.0 - 0.6525, 0.0])
+    assert adv_bump[0] < adv_a[0]  # the bump scores below the move made from the same square
+
+
+def test_turn_advantages_add_the_weighted_step_part(streams) -> None:
+    s, goal = (3, 1), (1, 1)
+    group = [_walk([s, goal], 1.0), _walk([s, s], 0.0)]
+    rec = advantages(np.array([[1.0, 0.0]]), "dr_grpo", [group], step_weight=0.5, gamma=1.0)
+    np.testing.assert_allclose(rec.advantages_P_G, [[0.5, -0.5]])
+    np.testing.assert_allclose(rec.of_turns(0, 0, 1), [0.5 + 0.5 * 0.5])
+    np.testing.assert_allclose(rec.of_turns(0, 1, 1), [-0.5 - 0.5 * 0.5])
+    plain = advantages(np.array([[1.0, 0.0]]), "dr_grpo")
+    assert plain.turn_advantages_P_G is None and list(plain.of_turns(0, 1, 3)) == [-0.5] * 3
+    with pytest.raises(ValueError, match="episodes"):
+        advantages(np.array([[1.0, 0.0]]), "grpo", step_weight=1.0)
+
+
+def test_a_flat_group_keeps_its_step_signal() -> None:
+    s, a, goal = (3, 1), (2, 1), (1, 1)
+    group = [_walk([s, a, goal], 1.0), _walk([s, s, a, goal], 1.0)]  # both solved: flat
+    rec = advantages(np.array([[1.0, 1.0]]), "grpo", [group], step_weight=1.0, gamma=0.9)
+    assert rec.zero_variance_groups == 1 and not rec.advantages_P_G.any()
+    assert rec.of_turns(0, 1, 3)[0] < 0 < rec.of_turns(0, 0, 2)[0]  # the bump is the worse turn
+
+
+def test_turn_datum_gives_each_reply_its_advantage(streams) -> None:
+    from workbench.rl.phases import replies, turn_datum
+
+    stream = streams[0]
+    assert replies(stream) == 3
+    datum = turn_datum(stream, np.array([1.0, -2.0, 0.5]))
+    runs, reply = [], -1
+    for t, m in enumerate(stream.loss_mask_T):
+        if m and (t == 0 or not stream.loss_mask_T[t - 1]):
+            reply += 1
+        runs.append(reply if m else None)
+    expected = [(1.0, -2.0, 0.5)[r] if r is not None else 0.0 for r in runs]
+    assert list(datum.advantages_T) == expected
+    assert datum.weights_T == tuple(float(m) for m in stream.loss_mask_T)
+
+
 def test_make_datums_from_model_rollout_keeps_sampler_logprobs(tiny) -> None:
     states = eval_set(5, 2)
     eps = play_model(tiny, SMALL, states, n=2, params=SamplingParams(max_tokens=2),
@@ -296,6 +357,39 @@ def test_update_minibatches_then_steps_once(streams) -> None:
     assert rec.metrics["kl_sampler_trainer"] == pytest.approx((0.2 * 3 + 0.6 * 1) / 4)
     assert rec.metrics["clip_fraction"] == pytest.approx(0.25)
     assert rec.metrics["entropy"] == pytest.approx((1.0 * 3 + 2.0) / 4)
+
+
+def test_update_mini_batches_and_epochs_step_the_optimizer_each_time(streams) -> None:
+    def out(loss: float) -> ForwardBackwardOutput:
+        return ForwardBackwardOutput(loss, {"kl_sampler_trainer": 0.0, "clip_fraction": 0.5,
+                                            "entropy": 1.0, "tokens": 2})
+
+    trainer = FakeTrainer([out(1.0), out(3.0), out(5.0), out(7.0)])
+    datums = [datum_from_stream(s, 1.0) for s in streams]
+    cfg, adam = LossConfig(reduction="sequence_mean"), AdamParams(learning_rate=0.01)
+    rec = update(trainer, datums, "ppo", cfg, adam, minibatch=16, mini_batches=2, epochs=2)
+    summed = LossConfig(reduction="sum")
+    assert trainer.calls == [("fb", 2, "ppo", summed), ("opt", adam)] * 4
+    assert rec.metrics["loss"] == pytest.approx(4.0)  # the mean over the 4 optimizer steps
+    assert rec.metrics["tokens"] == 4  # tokens of the batch (each epoch sees them once)
+
+
+def test_mini_batches_take_their_own_sequence_mean(streams) -> None:
+    from workbench.rl.phases import global_weights
+
+    datums = [datum_from_stream(s, 1.0) for s in streams]
+    trainer = FakeTrainer([ForwardBackwardOutput(0.0, {"kl_sampler_trainer": 0.0,
+                                                       "clip_fraction": 0.0, "entropy": 0.0,
+                                                       "tokens": 1})] * 2)
+    sent = []
+    trainer.forward_backward = lambda part, loss_fn, cfg: (sent.append(part), _done(
+        trainer.outs.pop(0)))[1]
+    update(trainer, datums, "ppo", LossConfig(reduction="sequence_mean"),
+           AdamParams(learning_rate=0.01), mini_batches=2)
+    assert sent == [global_weights(datums[:2], "sequence_mean"),
+                    global_weights(datums[2:], "sequence_mean")]
+    for part in sent:  # each mini-batch's weights sum to 1: its own sequence mean
+        assert sum(sum(d.weights_T) for d in part) == pytest.approx(1.0)
 
 
 def test_update_without_datums_does_nothing() -> None:

@@ -116,7 +116,7 @@ def test_random_policy_is_reproducible(policy) -> None:
 
 # ---------------------------------------------------------------- model rollout
 
-MODEL_CONFIG = MazeConfig(size=5, max_turns=3)  # 25 image tokens per observation
+MODEL_CONFIG = MazeConfig(size=5, max_turns=3)  # one image token per observation (merge 7)
 
 
 def _reply_runs(stream) -> list[list[int]]:
@@ -152,7 +152,7 @@ def test_play_model_episode_records(tiny, model_episodes) -> None:
             stream = ep.stream
             # an observation (image) before each turn, none after the last
             assert len(stream.images) == ep.turns
-            assert stream.tokens_T.count(fmt.image_pad) == 25 * ep.turns
+            assert stream.tokens_T.count(fmt.image_pad) == ep.turns
             assert stream.tokens_T.count(fmt.vision_start) == ep.turns
             assert stream.tokens_T.count(fmt.im_start) == 1 + 2 * ep.turns
             # the stream ends on a closed assistant turn

@@ -1,6 +1,6 @@
 """The GRPO loop end to end: learning, exact resume after a killed process, replay.
 
-A session-scoped SFT model (conftest.py: a few steps on 5x5 mazes, enough to emit valid moves)
+The pretrained tiny policy (conftest.py: tiny-sft, built once per session, about 5 minutes)
 is the base, so rollouts carry reward signal and updates are not trivially empty.
 """
 
@@ -22,8 +22,8 @@ from workbench.config import PRESETS, apply_overrides
 from workbench.rl.replay import replay
 from workbench.run import read_metrics
 
-SMALL = [
-    "env.size=5", "generator.max_turns=6", "generator.max_tokens=2",
+SMALL = [  # conftest's SMALL_RUN
+    "env.size=7", "generator.max_turns=10", "generator.max_tokens=2",
     "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
     "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
     "env.format_weight=0.5",
@@ -121,18 +121,23 @@ def test_truncated_checkpoint_is_skipped(straight_run: Path, tmp_path: Path) -> 
 
 
 def test_grpo_improves_success_on_a_fixed_set(sft_model: str, tmp_path: Path) -> None:
+    """The demo's recipe (LoRA 32 with the vision tower, lr 3e-4, GiGPO step advantages, 8 mazes
+    x 8 samples, 15 turns) for 10 steps from tiny-sft: held-out greedy success rises by at least
+    3 of 16 mazes (9 -> 13 with these seeds), sampled does not fall."""
     from workbench.rl.train import train
 
     config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path / "e2e", [
         "env.format_weight=0.0", "eval.n_mazes=16", "eval.sampled_passes=2",
-        "generator.n_samples_per_prompt=8", "trainer.train_batch_size=4",
-        "trainer.total_steps=6", "trainer.learning_rate=2e-3",
-        "trainer.loss_reduction=sequence_mean", "trainer.eval_interval=3",
+        "generator.n_samples_per_prompt=8", "trainer.train_batch_size=8",
+        "generator.max_turns=15", "lora.rank=32", "lora.alpha=64",
+        "trainer.total_steps=10", "trainer.learning_rate=3e-4", "trainer.step_advantage=1.0",
+        "trainer.loss_reduction=sequence_mean", "trainer.eval_interval=5",
         "trainer.ckpt_interval=0", "trainer.hf_save_interval=0", "trainer.resume_mode=none"]))
     train(config, log=lambda *_: None)
     evals = [r for r in read_metrics(tmp_path / "e2e") if "eval/greedy_solved" in r]
-    assert [r["step"] for r in evals] == [0, 3, 6]
+    assert [r["step"] for r in evals] == [0, 5, 10]
     assert evals[-1]["eval/greedy_solved"] >= evals[0]["eval/greedy_solved"] + 3, evals
+    assert evals[-1]["eval/sampled_solved"] >= evals[0]["eval/sampled_solved"], evals
 
 
 def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,

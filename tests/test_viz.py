@@ -25,6 +25,7 @@ from workbench.session.losses import LossConfig
 from workbench.viz import (
     frame_png,
     group_view,
+    noise_band,
     plot_advantages,
     plot_grad_norms,
     plot_logprob_scatter,
@@ -206,9 +207,19 @@ def test_plots_draw_from_records() -> None:
     rows = [{"step": s, "reward/mean": 0.1 * s, "rollout/success_rate": 0.05 * s,
              "rollout/zero_variance_frac": 0.5, "time/rollout": 1.0, "time/update": 2.0,
              "time/weight_sync": 0.01, "time/step": 3.5} for s in (1, 2, 3)]
-    rows.append({"step": 3, "eval/greedy_solved": 2.0, "eval/ceiling": 7, "eval/n_mazes": 8})
+    rows[0] |= {"rollout/wall_bump_rate": 0.4, "rollout/invalid_rate": 0.0,
+                "rollout/entropy": 0.5}
+    rows.append({"step": 3, "eval/greedy_solved": 4.0, "eval/ceiling": 7, "eval/n_mazes": 8})
     fig = plot_training(rows)
-    assert any(line.get_label() == "oracle ceiling" for line in fig.axes[1].get_lines())
+    rollouts, behaviour, evals = fig.axes[:3]
+    assert [line.get_label() for line in rollouts.get_lines()] == ["reward mean", "success"]
+    assert {"wall bumps / turn", "invalid replies / turn"} <= {
+        line.get_label() for line in behaviour.get_lines()}
+    assert [line.get_label() for line in evals.get_lines()] == ["eval greedy", "oracle ceiling"]
+    band = evals.collections[0].get_paths()[0].vertices[:, 1]  # the 95% band around 4/8
+    half = noise_band(4.0, 8)
+    assert math.isclose(half, 1.96 * 8 * math.sqrt(0.25 / 8))
+    assert math.isclose(band.min(), 4.0 - half) and math.isclose(band.max(), 4.0 + half)
     bars = plot_phase_times(rows).axes[0].patches
     assert len(bars) == 4 * 3 and math.isclose(bars[-1].get_height(), 0.49)  # "other"
     adv = np.array([[0.0, 0.0, 0.0], [1.0, -0.5, -0.5]])

@@ -63,12 +63,15 @@ def source_hash(*objects: Any) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(run_dir: Path, config: dict, session_info: dict, reward_sources: list) -> None:
-    """manifest.json: versions, git commit, seeds, model id + weights hash, reward source hash."""
+def write_manifest(run_dir: Path, config: dict, session_info: dict, reward_sources: list,
+                   torch_threads: int | None = None) -> None:
+    """manifest.json: versions, git commit, seeds, the trainer's torch threads (None: not
+    known here, e.g. on Ray actors), model id + weights hash, reward source hash."""
     manifest = {
         "versions": _versions(),
         "git_commit": _git_commit(),
         "seed": config["trainer"]["seed"],
+        "torch_threads": torch_threads,
         "model": session_info,
         "reward_source_sha256": source_hash(*reward_sources),
     }

@@ -97,6 +97,18 @@ def wasted_turns(episode: Episode | dict) -> dict[str, int]:
     return counts
 
 
+def turn_rates(episodes: list[Episode]) -> dict[str, float]:
+    """Of all turns the episodes took, the fraction that bumped a wall, that were invalid
+    replies and that stepped back onto a visited square (see wasted_turns)."""
+    counts = dict.fromkeys(FAILURE_REASONS[:3], 0)
+    for ep in episodes:
+        for kind, n in wasted_turns(ep).items():
+            counts[kind] += n
+    turns = max(sum(ep.turns for ep in episodes), 1)
+    return {"wall_bump_rate": counts["wall bump"] / turns,
+            "invalid_rate": counts["parse error"] / turns, "loop_rate": counts["loop"] / turns}
+
+
 def failure_reason(episode: Episode | dict) -> str:
     """"solved", or why an episode failed: "stopped" when it ended on a stop off the goal;
     otherwise the budget ran out, and the reason is the kind of wasted turn it spent most on

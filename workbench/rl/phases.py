@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from workbench.envs import InitState, MazeConfig
-from workbench.policy import SamplingParams
+from workbench.policy import SamplingParams, Stream
 from workbench.rl.evaluate import EvalResult, summarize
 from workbench.rl.rollout import Episode
 from workbench.session.losses import LossConfig
@@ -41,6 +41,18 @@ class RolloutRecord:
     @property
     def flat(self) -> list[Episode]:
         return [ep for group in self.episodes_P_G for ep in group]
+
+    def reply_entropy(self) -> float:
+        """Mean over all replies of -sum(sampler log-prob of its tokens): an unbiased estimate
+        of the sampling policy's entropy per turn, in nats (0 when streams were dropped)."""
+        nats, replies = 0.0, 0
+        for ep in self.flat:
+            if ep.stream is None:
+                continue
+            mask, logp = ep.stream.loss_mask_T, ep.stream.logprobs_T
+            nats -= sum(lp for lp, m in zip(logp, mask) if m)
+            replies += ep.turns
+        return nats / replies if replies else 0.0
 
 
 def rollout(sampler, config: MazeConfig, states_P: list[InitState], n: int,
@@ -114,35 +126,105 @@ ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
 
 @dataclass
 class AdvantageRecord:
-    """Advantages per maze and sample; zero-variance groups are zeroed and counted."""
+    """Advantages per maze and sample; zero-variance groups are zeroed and counted. With step
+    advantages, each episode also has one advantage per turn (its own plus the weighted
+    step-level one); without, every turn of an episode carries the episode's advantage."""
 
     advantages_P_G: np.ndarray
     zero_variance_groups: int
     estimator: str
+    turn_advantages_P_G: list[list[np.ndarray]] | None = None
+    """Per maze, per episode: an array with one advantage per turn (None: episode-level only)."""
+
+    def of_turns(self, p: int, g: int, turns: int) -> np.ndarray:
+        """The advantage of each turn of episode g of maze p."""
+        if self.turn_advantages_P_G is None:
+            return np.full(turns, self.advantages_P_G[p, g])
+        return self.turn_advantages_P_G[p][g]
 
 
-def advantages(rewards_P_G: np.ndarray, estimator: str = "grpo") -> AdvantageRecord:
-    """Group-relative advantages by `estimator` (a key of ADVANTAGES)."""
+def advantages(rewards_P_G: np.ndarray, estimator: str = "grpo",
+               episodes_P_G: list[list[Episode]] | None = None, step_weight: float = 0.0,
+               gamma: float = 0.95) -> AdvantageRecord:
+    """Group-relative advantages by `estimator` (a key of ADVANTAGES); with `step_weight` > 0
+    (and the episodes), each turn also gets step_weight times its step-level advantage
+    (`step_advantages`)."""
     if estimator not in ADVANTAGES:
         raise ValueError(f"unknown estimator {estimator!r}; choose one of {sorted(ADVANTAGES)}")
     flat_P = np.all(rewards_P_G == rewards_P_G[:, :1], axis=1)
     adv_P_G = ADVANTAGES[estimator](rewards_P_G)
     adv_P_G[flat_P] = 0.0
-    return AdvantageRecord(adv_P_G, int(flat_P.sum()), estimator)
+    record = AdvantageRecord(adv_P_G, int(flat_P.sum()), estimator)
+    if step_weight > 0:
+        if episodes_P_G is None:
+            raise ValueError("step advantages need the episodes (episodes_P_G)")
+        steps_P_G = step_advantages(episodes_P_G, rewards_P_G, estimator, gamma)
+        record.turn_advantages_P_G = [[adv_P_G[p, g] + step_weight * a_T
+                                       for g, a_T in enumerate(steps_G)]
+                                      for p, steps_G in enumerate(steps_P_G)]
+    return record
+
+
+def step_advantages(episodes_P_G: list[list[Episode]], rewards_P_G: np.ndarray, estimator: str,
+                    gamma: float) -> list[list[np.ndarray]]:
+    """GiGPO's step-level advantages (Feng et al., 2025): within a maze's group, every turn taken
+    from the same square is one "anchor" group; a turn's return is its episode's reward
+    discounted by the turns left after it (gamma ** (T - 1 - t) * r), and its advantage is that
+    return against the others of its anchor group, by the same estimator. So a move into a wall
+    or away from the goal scores below the moves other samples made from the same square, even
+    when the whole group failed or succeeded alike. Anchor groups of one turn, or of equal
+    returns, get 0."""
+    out_P_G = []
+    for group, rewards_G in zip(episodes_P_G, rewards_P_G):
+        returns_G = [rewards_G[g] * gamma ** np.arange(ep.turns - 1, -1, -1, dtype=float)
+                     for g, ep in enumerate(group)]
+        anchors: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        for g, ep in enumerate(group):
+            for t in range(ep.turns):
+                anchors.setdefault(tuple(ep.positions[t]), []).append((g, t))
+        adv_G = [np.zeros(ep.turns) for ep in group]
+        for members in anchors.values():
+            returns_N = np.array([[returns_G[g][t] for g, t in members]])
+            if len(members) < 2 or np.all(returns_N == returns_N[0, 0]):
+                continue
+            for (g, t), a in zip(members, ADVANTAGES[estimator](returns_N)[0]):
+                adv_G[g][t] = a
+        out_P_G.append(adv_G)
+    return out_P_G
+
+
+def datum_index(record: RolloutRecord, adv: AdvantageRecord,
+                drop_zero: bool = True) -> list[tuple[int, int]]:
+    """(maze, sample) of each episode that make_datums turns into a datum, in order."""
+    return [(p, g) for p, group in enumerate(record.episodes_P_G) for g, ep in enumerate(group)
+            if not drop_zero or np.any(adv.of_turns(p, g, replies(ep.stream)) != 0.0)]
 
 
 def make_datums(record: RolloutRecord, adv: AdvantageRecord,
                 drop_zero: bool = True) -> list[Datum]:
-    """One datum per episode: its stream with the episode's advantage on every reply token."""
-    from workbench.session.types import datum_from_stream
-
+    """One datum per episode that carries signal: its stream, each reply's tokens carrying that
+    turn's advantage (`AdvantageRecord.of_turns`)."""
     datums = []
-    for group, adv_G in zip(record.episodes_P_G, adv.advantages_P_G):
-        for ep, a in zip(group, adv_G):
-            if drop_zero and a == 0.0:
-                continue
-            datums.append(datum_from_stream(ep.stream, float(a)))
+    for p, g in datum_index(record, adv, drop_zero):
+        stream = record.episodes_P_G[p][g].stream
+        datums.append(turn_datum(stream, adv.of_turns(p, g, replies(stream))))
     return datums
+
+
+def replies(stream: Stream) -> int:
+    """Replies in a stream: runs of loss-mask tokens (one per turn of a rollout)."""
+    mask = stream.loss_mask_T
+    return sum(1 for t, m in enumerate(mask) if m and (t == 0 or not mask[t - 1]))
+
+
+def turn_datum(stream: Stream, advantages_R: np.ndarray) -> Datum:
+    """A datum whose r-th reply (run of loss-mask tokens) carries advantages_R[r], weight 1."""
+    adv_T, reply = [], -1
+    for t, m in enumerate(stream.loss_mask_T):
+        if m and (t == 0 or not stream.loss_mask_T[t - 1]):
+            reply += 1
+        adv_T.append(float(advantages_R[reply]) if m else 0.0)
+    return Datum(stream, tuple(adv_T), tuple(float(m) for m in stream.loss_mask_T))
 
 
 @dataclass
@@ -171,30 +253,40 @@ def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
 
 
 def update(training_client, datums: list[Datum], loss_fn: str, loss_cfg: LossConfig,
-           adam: AdamParams, minibatch: int = 16, bucket_by_length: bool = False) -> UpdateRecord:
-    """forward_backward over mini-batches (queued back to back), then one optim_step.
-
-    The loss config's mean reduction is applied over the whole batch (`global_weights`), so the
-    split into mini-batches does not change the gradient; `bucket_by_length` sorts the datums by
-    length first, so each mini-batch pads to a near length instead of the longest episode."""
+           adam: AdamParams, minibatch: int = 16, bucket_by_length: bool = False,
+           mini_batches: int = 1, epochs: int = 1) -> UpdateRecord:
+    """`epochs` passes over the batch, each split into `mini_batches` contiguous mini-batches;
+    each mini-batch is forward_backward over chunks of `minibatch` datums (queued back to back)
+    and then one optim_step (PPO's mini-batch updates: SkyRL's policy_mini_batch_size and
+    update_epochs_per_batch). The loss config's mean reduction is applied over each mini-batch
+    (`global_weights`), so the chunking does not change the gradient; `bucket_by_length` sorts
+    the datums by length first, so each chunk pads to a near length instead of the longest
+    episode. Metrics: loss and grad norm averaged over the optimizer steps, the rest
+    token-weighted over every call."""
     start = time.perf_counter()
     if not datums:
         return UpdateRecord({}, 0.0, adam.learning_rate, 0, 0.0)
-    datums = global_weights(datums, loss_cfg.reduction)
     if bucket_by_length:
         datums = sorted(datums, key=lambda d: len(d.stream))
     summed = replace(loss_cfg, reduction="sum")
-    futures = [training_client.forward_backward(datums[i:i + minibatch], loss_fn, summed)
-               for i in range(0, len(datums), minibatch)]
-    step = training_client.optim_step(adam)
-    outs = [f.result() for f in futures]
+    bounds = np.linspace(0, len(datums), min(mini_batches, len(datums)) + 1).round().astype(int)
+    outs, losses, steps = [], [], []
+    for _ in range(epochs):
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            part = global_weights(datums[lo:hi], loss_cfg.reduction)
+            futures = [training_client.forward_backward(part[i:i + minibatch], loss_fn, summed)
+                       for i in range(0, len(part), minibatch)]
+            steps.append(training_client.optim_step(adam))
+            done = [f.result() for f in futures]
+            outs += done
+            losses.append(sum(o.loss for o in done))
     total_tokens = sum(o.metrics["tokens"] for o in outs) or 1
     metrics = {k: sum(o.metrics[k] * o.metrics["tokens"] for o in outs) / total_tokens
                for k in ("kl_sampler_trainer", "clip_fraction", "entropy")}
-    metrics |= {"loss": sum(o.loss for o in outs), "tokens": total_tokens}
-    opt = step.result()
-    return UpdateRecord(metrics, opt.grad_norm, opt.learning_rate, len(datums),
-                        time.perf_counter() - start)
+    metrics |= {"loss": float(np.mean(losses)), "tokens": total_tokens // epochs}
+    opts = [s.result() for s in steps]
+    return UpdateRecord(metrics, float(np.mean([o.grad_norm for o in opts])),
+                        opts[-1].learning_rate, len(datums), time.perf_counter() - start)
 
 
 @dataclass

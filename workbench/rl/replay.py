@@ -17,7 +17,6 @@ import torch
 
 from workbench import run as rundir
 from workbench.config import RunConfig, from_dict
-from workbench.model import LoraSettings
 from workbench.rl import phases
 from workbench.rl.train import checkpoint_step, checkpoints_newest_first
 from workbench.session import AdamParams, LossConfig, create_session
@@ -38,7 +37,10 @@ class ReplayResult:
 
     @property
     def exact(self) -> bool:
-        return all(self.logged[k] == self.replayed[k] for k in COMPARED)
+        """Every compared metric the step logged equals its replayed value (a step without an
+        update logged only its datum count, 0)."""
+        return self.logged.keys() == self.replayed.keys() and all(
+            self.logged[k] == self.replayed[k] for k in self.logged)
 
 
 def _checkpoint_before(run_dir: Path, step: int) -> Path:
@@ -53,22 +55,37 @@ def _update_from_record(training_client, folder: Path, config: RunConfig) -> dic
     datums = rundir.load_datums(folder, training_client.get_processor(), config.maze)
     up = phases.update(training_client, datums, record["loss_fn"],
                        LossConfig(**record["loss_config"]), AdamParams(**record["adam"]),
-                       config.trainer.minibatch)
-    return {"update/loss": up.metrics.get("loss", 0.0),
-            "update/kl_sampler_trainer": up.metrics.get("kl_sampler_trainer", 0.0),
-            "update/entropy": up.metrics.get("entropy", 0.0),
-            "update/clip_fraction": up.metrics.get("clip_fraction", 0.0),
-            "update/tokens": up.metrics.get("tokens", 0), "update/grad_norm": up.grad_norm,
+                       config.trainer.minibatch, mini_batches=config.trainer.mini_batches,
+                       epochs=config.trainer.update_epochs)
+    if not up.datums:
+        return {"update/datums": 0}
+    return {"update/loss": up.metrics["loss"],
+            "update/kl_sampler_trainer": up.metrics["kl_sampler_trainer"],
+            "update/entropy": up.metrics["entropy"],
+            "update/clip_fraction": up.metrics["clip_fraction"],
+            "update/tokens": up.metrics["tokens"], "update/grad_norm": up.grad_norm,
             "update/datums": up.datums}
 
 
 def replay(run_dir: str | Path, step: int) -> ReplayResult:
-    """Reproduce step `step`'s update from its record and the state before it."""
+    """Reproduce step `step`'s update from its record and the state before it, with the torch
+    thread count the run trained with (manifest.json): CPU matmuls split their sums by thread,
+    so another count changes the last bits."""
     run_dir = Path(run_dir)
+    threads = json.loads((run_dir / "manifest.json").read_text()).get("torch_threads")
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _replay(run_dir, step)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _replay(run_dir: Path, step: int) -> ReplayResult:
     config = from_dict(json.loads((run_dir / "config.json").read_text()))
     ckpt = _checkpoint_before(run_dir, step)
     start = checkpoint_step(ckpt)
-    session = create_session(config.model.name, LoraSettings(config.lora.rank, config.lora.alpha),
+    session = create_session(config.model.name, config.lora.settings,
                              workdir=run_dir / "replay", dtype=getattr(torch, config.model.dtype),
                              device=config.model.device)
     tc = session.training_client
@@ -79,4 +96,4 @@ def replay(run_dir: str | Path, step: int) -> ReplayResult:
     replayed = _update_from_record(tc, folder, config)
     logged = rundir.load_step_record(folder)["metrics"]
     session.close()
-    return ReplayResult(step, {k: logged[k] for k in COMPARED}, replayed, start)
+    return ReplayResult(step, {k: logged[k] for k in COMPARED if k in logged}, replayed, start)

@@ -2,7 +2,8 @@
 
 Each example is a whole multi-turn episode rendered exactly as a rollout would render it
 (system rules; per turn the image, feedback and budget; the oracle's reply), with loss on the
-reply tokens only. The mazes come from training seeds, never from the eval set.
+reply tokens only. The mazes are training mazes (`envs.train_maze`): never a task of the eval
+set.
 
     python -m workbench sft sft.steps=300
 """
@@ -17,14 +18,13 @@ from typing import Any
 
 import numpy as np
 
-from workbench.envs import InitState, MazeConfig, MazeEnv, init_maze, make_maze, system_prompt
-from workbench.envs.env import init_state_of
+from workbench.envs import InitState, MazeConfig, MazeEnv, init_maze, system_prompt, train_states
 from workbench.policy import ChatFormat, Stream, append_reply, chat_format, start_stream
 from workbench.rl.rollout import SCRIPTED, observe
 from workbench.session.losses import LossConfig
 from workbench.session.types import AdamParams, Datum
 
-SFT_SEED_OFFSET = 50_000_000  # SFT mazes: train seeds far from the GRPO ones
+SFT_INDEX_OFFSET = 50_000_000  # SFT mazes: training indices far from the GRPO ones
 
 
 def scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, state: InitState,
@@ -35,8 +35,9 @@ def scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, state: 
 
 def _play_scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, state: InitState,
                           policy: str, noise: float, seed: int) -> tuple[Stream, list[bool]]:
-    """Play `policy`, replacing a turn by a random open move with probability `noise`;
-    returns the stream and, per reply, whether it was the policy's own (trainable) move."""
+    """Play `policy`, replacing a turn by a random move (walls included) with probability
+    `noise`; returns the stream and, per reply, whether it was the policy's own (trainable)
+    move."""
     rng = np.random.default_rng(seed)
     env = MazeEnv(config)
     obs, info = env.reset(options={"init_state": state})
@@ -45,7 +46,7 @@ def _play_scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, s
     maze, own = init_maze(state), []
     while True:
         detour = noise > 0 and rng.random() < noise
-        reply = SCRIPTED["random_open" if detour else policy](maze, env.pos, config, rng)
+        reply = SCRIPTED["random" if detour else policy](maze, env.pos, config, rng)
         own.append(not detour)
         tokens = processor.tokenizer.encode(reply, add_special_tokens=False) + [fmt.im_end]
         stream = append_reply(stream, fmt, tokens, [0.0] * len(tokens))
@@ -57,8 +58,9 @@ def _play_scripted_stream(processor: Any, fmt: ChatFormat, config: MazeConfig, s
 
 def oracle_datum(processor: Any, fmt: ChatFormat, config: MazeConfig, state: InitState,
                  noise: float = 0.0, seed: int = 0) -> Datum:
-    """An SFT datum: oracle replies weighted 1; random detours (probability `noise`, so the
-    model also sees how to recover from a wrong move) are in context but weighted 0."""
+    """An SFT datum: oracle replies weighted 1; random detours (probability `noise`, moves into
+    walls included) are in context but weighted 0, so the model also sees the wall feedback and
+    the oracle's way back from a wrong square (a noisy-expert, DART-style recipe)."""
     stream, own = _play_scripted_stream(processor, fmt, config, state, "oracle", noise, seed)
     weights, reply = [], -1
     for t, m in enumerate(stream.loss_mask_T):
@@ -79,17 +81,17 @@ class SFTStep:
     seconds: float
 
 
-def sft_steps(training_client, config: MazeConfig, seeds: Iterator[int], steps: int,
+def sft_steps(training_client, config: MazeConfig, first_maze: int, steps: int,
               batch: int, adam: AdamParams, noise: float = 0.0) -> Iterator[SFTStep]:
-    """Yield after each SFT step (a notebook can plot the loss as it goes)."""
+    """Yield after each SFT step (a notebook can plot the loss as it goes); step s trains on
+    training mazes first_maze + (s - 1) * batch, ... (`envs.train_states`)."""
     processor = training_client.get_processor()
     fmt = chat_format(processor)
     loss_cfg = LossConfig(reduction="token_mean")
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        states = [(seed := next(seeds), init_state_of(make_maze(config.size, seed)))
-                  for _ in range(batch)]
-        datums = [oracle_datum(processor, fmt, config, s, noise, seed) for seed, s in states]
+        states = train_states(config.size, first_maze + (step - 1) * batch, batch)
+        datums = [oracle_datum(processor, fmt, config, s, noise, s.maze_seed) for s in states]
         fb = training_client.forward_backward(datums, "cross_entropy", loss_cfg)
         opt = training_client.optim_step(adam)
         out = fb.result()
@@ -107,8 +109,6 @@ def run_sft(config: Any, log: Any = print) -> Path:
 
     from workbench import run as rundir
     from workbench.config import to_dict
-    from workbench.envs import train_seeds
-    from workbench.model import LoraSettings
     from workbench.session import create_session
 
     run_dir = Path(config.run_dir)
@@ -116,14 +116,14 @@ def run_sft(config: Any, log: Any = print) -> Path:
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     rundir.write_json(run_dir / "config.json", to_dict(config))
-    lora = None if config.sft.full_finetune else LoraSettings(config.lora.rank, config.lora.alpha)
+    lora = None if config.sft.full_finetune else config.lora.settings
     session = create_session(config.model.name, lora, workdir=run_dir,
                              dtype=getattr(torch, config.model.dtype), device=config.model.device)
     adam = AdamParams(learning_rate=config.sft.learning_rate)
-    seeds = train_seeds(start=SFT_SEED_OFFSET + config.trainer.seed * 100_000_000)
+    first_maze = SFT_INDEX_OFFSET + config.trainer.seed * 100_000_000
     from tqdm.auto import tqdm
 
-    steps = sft_steps(session.training_client, config.maze, seeds, config.sft.steps,
+    steps = sft_steps(session.training_client, config.maze, first_maze, config.sft.steps,
                       config.sft.batch_size, adam, config.sft.noise)
     log = tqdm.write if log is print else log
     for st in tqdm(steps, total=config.sft.steps, desc="SFT steps", leave=False, disable=None):

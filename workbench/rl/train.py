@@ -27,13 +27,12 @@ import torch
 from workbench import run as rundir
 from workbench import storage
 from workbench.config import RunConfig, to_dict
-from workbench.envs import eval_set, make_maze, train_seeds
-from workbench.envs.env import init_state_of
+from workbench.envs import eval_set, train_states
 from workbench.envs.rewards import REWARDS
-from workbench.model import LoraSettings
 from workbench.policy import SamplingParams
 from workbench.policy.engine import EngineSettings
 from workbench.rl import phases
+from workbench.rl.evaluate import turn_rates
 from workbench.session import AdamParams, LossConfig, create_session
 from workbench.session.checkpoint import atomic_folder, is_complete
 from workbench.session.gpu import SpeedSettings, apply_speed
@@ -51,10 +50,10 @@ def learning_rate(config: RunConfig, step: int) -> float:
 
 
 def step_mazes(config: RunConfig, step: int) -> list:
-    """The P training mazes of a 1-based step (disjoint from the eval seeds)."""
+    """The P training mazes of a 1-based step: training mazes (step - 1) * P, ... (plus the
+    trainer seed's offset), never a task of the eval set (`envs.train_maze`)."""
     P = config.trainer.train_batch_size
-    seeds = train_seeds(start=(step - 1) * P + config.trainer.seed * 100_000_000)
-    return [init_state_of(make_maze(config.env.size, next(seeds))) for _ in range(P)]
+    return train_states(config.env.size, (step - 1) * P + config.trainer.seed * 100_000_000, P)
 
 
 def step_seed(config: RunConfig, step: int) -> int:
@@ -134,7 +133,7 @@ def save_checkpoint(trainer: Trainer) -> Path:
 def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
     """The session backend the config asks for: in-process when cluster.address is "", else
     trainer and sampler actors on Ray (connecting first unless this process already is)."""
-    lora = LoraSettings(rank=config.lora.rank, alpha=config.lora.alpha)
+    lora = config.lora.settings
     model = dict(model=config.model.name, lora=lora, workdir=run_dir,
                  dtype=getattr(torch, config.model.dtype), device=config.model.device)
     c, g = config.cluster, config.generator
@@ -194,8 +193,10 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     for stale in ("metrics.jsonl", rundir.LATEST):
         (run_dir / stale).unlink(missing_ok=True)
     rundir.write_json(run_dir / "config.json", to_dict(config))
+    threads = (config.cluster.threads_per_actor or None) if config.cluster.address else (
+        torch.get_num_threads())  # the trainer's threads (Ray's default share: not known here)
     rundir.write_manifest(run_dir, to_dict(config), session.describe(),
-                          [REWARDS[config.env.reward], phases.env_reward])
+                          [REWARDS[config.env.reward], phases.env_reward], threads)
     save_checkpoint(trainer)
     storage.mirror_run(run_dir, config.run_dir, config.storage.endpoint_url)  # s3:// run_dir
     return trainer
@@ -224,19 +225,20 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     ro = phases.rollout(sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt,
                         params, step_seed(c, step))
     sc = phases.score(ro)
-    adv = phases.advantages(sc.rewards_P_G, c.trainer.advantage)
+    adv = phases.advantages(sc.rewards_P_G, c.trainer.advantage, ro.episodes_P_G,
+                            c.trainer.step_advantage, c.trainer.step_gamma)
     datums = phases.make_datums(ro, adv)
     loss_cfg = LossConfig(clip_low=c.trainer.clip_low, clip_high=c.trainer.clip_high,
                           reduction=c.trainer.loss_reduction, temperature=params.temperature)
     adam = AdamParams(learning_rate=learning_rate(c, step), grad_clip_norm=c.trainer.grad_clip_norm)
     up = phases.update(trainer.training_client, datums, c.trainer.loss, loss_cfg, adam,
-                       c.trainer.minibatch)
+                       c.trainer.minibatch, mini_batches=c.trainer.mini_batches,
+                       epochs=c.trainer.update_epochs)
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
     row["time/weight_sync"] = sync_seconds
     if c.trainer.keep_step_records:
-        index = [(p, g) for p, adv_G in enumerate(adv.advantages_P_G)
-                 for g, a in enumerate(adv_G) if a != 0.0]
+        index = phases.datum_index(ro, adv)
         rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
                                 sc.rewards_P_G, adv.advantages_P_G, index, datums,
                                 {"step": step, "adam": adam.__dict__, "loss_fn": c.trainer.loss,
@@ -249,27 +251,45 @@ def train_step(trainer: Trainer) -> dict[str, float]:
 def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
                  adv: phases.AdvantageRecord, up: phases.UpdateRecord, seconds: float) -> dict:
     flat = ro.flat
-    return {
+    solved = [ep.turns for ep in flat if ep.success]
+    row = {
         "step": step,
         "reward/mean": float(sc.rewards_P_G.mean()),
         "reward/std": float(sc.rewards_P_G.std()),
         "rollout/success_rate": float(np.mean([ep.success for ep in flat])),
         "rollout/turns_mean": float(np.mean([ep.turns for ep in flat])),
         "rollout/reply_tokens_mean": float(np.mean([sum(ep.stream.loss_mask_T) for ep in flat])),
+        "rollout/entropy": ro.reply_entropy(),
         "rollout/zero_variance_groups": adv.zero_variance_groups,
         "rollout/zero_variance_frac": adv.zero_variance_groups / len(ro.episodes_P_G),
+        **{f"rollout/{k}": v for k, v in turn_rates(flat).items()},
         "update/datums": up.datums,
-        "update/loss": up.metrics.get("loss", 0.0),
-        "update/kl_sampler_trainer": up.metrics.get("kl_sampler_trainer", 0.0),
-        "update/entropy": up.metrics.get("entropy", 0.0),
-        "update/clip_fraction": up.metrics.get("clip_fraction", 0.0),
-        "update/tokens": up.metrics.get("tokens", 0),
-        "update/grad_norm": up.grad_norm,
         "update/learning_rate": up.learning_rate,
         "time/rollout": ro.seconds,
         "time/update": up.seconds,
         "time/step": seconds,
     }
+    if solved:  # left out (not 0) when no episode was solved
+        row["rollout/solved_turns_mean"] = float(np.mean(solved))
+    if up.datums:  # a step without an update logs no loss, KL, entropy or grad norm
+        row |= {"update/loss": up.metrics["loss"],
+                "update/kl_sampler_trainer": up.metrics["kl_sampler_trainer"],
+                "update/entropy": up.metrics["entropy"],
+                "update/clip_fraction": up.metrics["clip_fraction"],
+                "update/tokens": up.metrics["tokens"], "update/grad_norm": up.grad_norm}
+    return row
+
+
+def step_line(row: dict[str, Any]) -> str:
+    """The one line a step prints; a step whose groups all had zero reward variance says that
+    it made no update."""
+    head = (f"step {row['step']:>4}  reward {row['reward/mean']:.3f}  success "
+            f"{row['rollout/success_rate']:.3f}  zero-var {row['rollout/zero_variance_groups']}"
+            f"  bumps {row['rollout/wall_bump_rate']:.2f}  entropy {row['rollout/entropy']:.2f}")
+    if "update/loss" not in row:
+        return f"{head}  no update: every group had zero reward variance  {row['time/step']:.1f}s"
+    return (f"{head}  loss {row['update/loss']:+.4f}  kl {row['update/kl_sampler_trainer']:.1e}"
+            f"  {row['time/step']:.1f}s")
 
 
 class ClusterLostError(ConnectionError):
@@ -335,10 +355,7 @@ def _loop(trainer: Trainer, log: Any) -> Trainer:
         while trainer.step < t.total_steps:
             row = train_step(trainer)
             bar.update(1)
-            log(f"step {row['step']:>4}  reward {row['reward/mean']:.3f}  success "
-                f"{row['rollout/success_rate']:.3f}  zero-var "
-                f"{row['rollout/zero_variance_groups']}  kl "
-                f"{row['update/kl_sampler_trainer']:.2e}  {row['time/step']:.1f}s")
+            log(step_line(row))
             _after_step(trainer, log)
     return trainer
 
@@ -368,7 +385,7 @@ def _log_eval(trainer: Trainer, record: phases.EvalRecord, log: Any) -> None:
         log(f"eval step {trainer.step}: {r.mode} {r.solved:.1f}/{r.n_mazes} "
             f"(ceiling {r.ceiling}/{r.n_mazes}), mean turns {r.mean_turns:.2f}")
         row |= {f"eval/{r.mode}_success": r.success_rate, f"eval/{r.mode}_solved": r.solved,
-                f"eval/{r.mode}_turns": r.mean_turns, "eval/ceiling": r.ceiling,
-                "eval/n_mazes": r.n_mazes}
+                f"eval/{r.mode}_turns": r.mean_turns, f"eval/{r.mode}_passes": r.episodes_per_maze,
+                "eval/ceiling": r.ceiling, "eval/n_mazes": r.n_mazes}
     rundir.append_metrics(trainer.run_dir, row)
     trainer.session.report_metrics(row, trainer.run_dir.name)

@@ -3,7 +3,7 @@
 Everything here reads records - Episodes, episode summaries from a step record, metrics.jsonl
 rows, a run directory - and never a live trainer, so it works on finished and running runs.
 
-    fig = plot_training(read_metrics("runs/grpo"))          # reward, success, eval vs ceiling
+    fig = plot_training(read_metrics("runs/grpo"))          # rollouts, behaviour, eval + band
     trajectory_player(episode)                               # a widget: slider over turns
     step_inspector("runs/grpo")                              # pick a step, see it, replay it
 
@@ -18,6 +18,7 @@ from workbench.viz.episodes import (
     turn_rows,
 )
 from workbench.viz.plots import (
+    noise_band,
     plot_advantages,
     plot_grad_norms,
     plot_logprob_scatter,
@@ -35,6 +36,7 @@ from workbench.viz.widgets import (
 
 __all__ = [
     "GroupView", "Player", "StepInspector", "as_record", "draw_episode", "episode_grid",
-    "frame_png", "group_view", "plot_advantages", "plot_grad_norms", "plot_logprob_scatter",
-    "plot_phase_times", "plot_training", "step_inspector", "trajectory_player", "turn_rows",
+    "frame_png", "group_view", "noise_band", "plot_advantages", "plot_grad_norms",
+    "plot_logprob_scatter", "plot_phase_times", "plot_training", "step_inspector",
+    "trajectory_player", "turn_rows",
 ]

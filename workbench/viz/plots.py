@@ -19,36 +19,76 @@ from workbench._deps import require
 PHASES = ("time/rollout", "time/update", "time/weight_sync")
 
 
+BEHAVIOUR = (("rollout/wall_bump_rate", "wall bumps / turn"),
+             ("rollout/invalid_rate", "invalid replies / turn"),
+             ("rollout/zero_variance_frac", "zero-variance groups"))
+"""Per-step fractions the middle panel of plot_training draws (metrics.jsonl keys)."""
+
+
+def noise_band(solved: float, n_mazes: int, passes: int = 1, z: float = 1.96) -> float:
+    """Half-width, in mazes solved, of the z-sigma binomial band of a success measured on
+    n_mazes mazes x passes episodes (64 episodes at 50% carry about +-7.8 mazes at 95%)."""
+    p = min(max(solved / n_mazes, 0.0), 1.0)
+    return z * n_mazes * float(np.sqrt(p * (1 - p) / (n_mazes * passes)))
+
+
 def plot_training(rows: list[dict], title: str = "GRPO", ceiling: float | None = None) -> Any:
-    """Reward and success per step (rollouts), eval success with the oracle ceiling as a line
-    (`ceiling` overrides the one logged with the evaluations)."""
+    """Three panels over the steps of a run's metrics.jsonl rows: training rollouts (reward,
+    success, mean turns of solved episodes), behaviour (wall-bump and invalid-reply rates,
+    zero-variance groups, entropy per turn) and the fixed eval set (greedy and sampled solved
+    with a 95% binomial noise band, and the oracle ceiling; `ceiling` overrides the logged one).
+    Keys a run did not log are left out."""
     plt = require("matplotlib.pyplot")
     steps = [r for r in rows if "reward/mean" in r]
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for key, style, label in (("reward/mean", "-", "reward mean"),
-                              ("rollout/success_rate", "-", "rollout success"),
-                              ("rollout/zero_variance_frac", ":", "zero-variance groups")):
-        ax1.plot([r["step"] for r in steps], [r[key] for r in steps], style, label=label)
-    ax1.set_xlabel("step")
+    fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 3.8))
+    _lines(ax1, steps, (("reward/mean", "reward mean"), ("rollout/success_rate", "success")))
+    _lines(ax1.twinx(), steps, (("rollout/solved_turns_mean", "turns of solved episodes"),),
+           style=":", color="tab:gray", ylabel="turns")
     ax1.set_title(f"{title}: training rollouts")
-    ax1.legend(fontsize=8)
-    for mode, style in (("greedy", "o-"), ("sampled", "s-")):
-        pts = [(r["step"], r[f"eval/{mode}_solved"]) for r in evals if f"eval/{mode}_solved" in r]
+    _lines(ax2, steps, BEHAVIOUR)
+    _lines(ax2.twinx(), steps, (("rollout/entropy", "entropy (nats / turn)"),),
+           style=":", color="tab:purple", ylabel="nats per turn")
+    ax2.set_title("behaviour per step")
+    _eval_panel(ax3, evals, ceiling)
+    fig.tight_layout()
+    return fig
+
+
+def _lines(ax: Any, rows: list[dict], keys: tuple[tuple[str, str], ...], style: str = "-",
+           color: str | None = None, ylabel: str = "") -> None:
+    """One line per (key, label) present in the rows, against the step, with a legend."""
+    for key, label in keys:
+        pts = [(r["step"], r[key]) for r in rows if key in r]
         if pts:
-            ax2.plot(*zip(*pts), style, label=f"eval {mode}")
+            ax.plot(*zip(*pts), style, label=label, color=color)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper right" if ylabel else "upper left")
+
+
+def _eval_panel(ax: Any, evals: list[dict], ceiling: float | None) -> None:
+    for mode, style in (("greedy", "o-"), ("sampled", "s-")):
+        pts = [(r["step"], r[f"eval/{mode}_solved"], r.get(f"eval/{mode}_passes", 1))
+               for r in evals if f"eval/{mode}_solved" in r]
+        if not pts:
+            continue
+        x, y, passes = (np.array(v, dtype=float) for v in zip(*pts))
+        n = evals[-1]["eval/n_mazes"]
+        band = np.array([noise_band(s, n, int(k)) for s, k in zip(y, passes)])
+        line, = ax.plot(x, y, style, label=f"eval {mode}")
+        ax.fill_between(x, y - band, y + band, color=line.get_color(), alpha=0.15)
     if ceiling is None and evals:
         ceiling = evals[-1]["eval/ceiling"]
     if ceiling is not None:
-        ax2.axhline(ceiling, color="gray", ls="--", label="oracle ceiling")
+        ax.axhline(ceiling, color="gray", ls="--", label="oracle ceiling")
     if evals:
-        ax2.set_ylim(0, evals[-1]["eval/n_mazes"] + 1)
-    ax2.set_xlabel("step")
-    ax2.set_ylabel("mazes solved")
-    ax2.set_title("fixed eval set")
-    ax2.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+        ax.set_ylim(0, evals[-1]["eval/n_mazes"] + 1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mazes solved")
+    ax.set_title("held-out eval set (band: 95% binomial noise)")
+    ax.legend(fontsize=7, loc="lower right")
 
 
 def plot_advantages(advantages_P_G: np.ndarray, rewards_P_G: np.ndarray | None = None,
