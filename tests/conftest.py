@@ -1,5 +1,6 @@
-"""Shared fixtures: the tiny Qwen3-VL built once per session into a temporary cache, and a short
-SFT of it that the training-loop tests (in-process and Ray) start from."""
+"""Shared fixtures: the tiny Qwen3-VL and the pretrained tiny policy (tiny-sft), built once per
+session into a temporary cache, and a short SFT of the tiny base that the training-loop tests
+(in-process and Ray) start from."""
 
 from __future__ import annotations
 
@@ -33,6 +34,15 @@ def tiny_dir(workbench_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_sft_dir(workbench_cache: Path) -> Path:
+    """The pretrained tiny policy (the default model.name), built once per session under the
+    session cache exactly as a user's first `load_model("tiny-sft")` builds it (~4 min)."""
+    from workbench.rl.pretrained import tiny_sft_path
+
+    return tiny_sft_path()
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dir: Path):
     """The tiny default loaded from its folder (a LoadedModel; do not mutate its weights)."""
     from workbench.model import load_model
@@ -40,9 +50,10 @@ def tiny(tiny_dir: Path):
     return load_model(str(tiny_dir))
 
 
-# The small run settings of the loop tests (test_train.py, test_ray_local.py).
+# The small run settings of the loop tests (test_train.py, test_ray_local.py): 7x7 mazes (5x5
+# has no held-out training maze) with a short turn budget; tiny-sft solves some of them.
 SMALL_RUN = [
-    "env.size=5", "generator.max_turns=6", "generator.max_tokens=2",
+    "env.size=7", "generator.max_turns=10", "generator.max_tokens=2",
     "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
     "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
     "env.format_weight=0.5",
@@ -50,16 +61,9 @@ SMALL_RUN = [
 
 
 @pytest.fixture(scope="session")
-def sft_model(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> str:
-    """A tiny Qwen3-VL after a short SFT on 5x5 oracle episodes (weak: ~2/16 solved)."""
-    from workbench.config import PRESETS, apply_overrides
-    from workbench.rl.sft import run_sft
-
-    out = tmp_path_factory.mktemp("sft")
-    config = apply_overrides(PRESETS["tiny"], SMALL_RUN + [
-        f"model.name={tiny_dir}", "sft.steps=120", "sft.batch_size=8", "sft.learning_rate=1e-3",
-        f"run_dir={out}"])
-    return str(run_sft(config, log=lambda *_: None))
+def sft_model(tiny_sft_dir: Path) -> str:
+    """The policy the loop tests start from: the pretrained tiny policy's folder."""
+    return str(tiny_sft_dir)
 
 
 @pytest.fixture(scope="session")

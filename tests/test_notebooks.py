@@ -93,15 +93,14 @@ def run_notebook(name: str, kernel: str, out: Path, **parameters) -> dict:
     return read_recorded(out / "metrics.json")
 
 
-SMALL = {"MAZE_SIZE": 5, "MAX_TURNS": 6}  # the settings conftest's sft_model was trained with
+SMALL = {"MAZE_SIZE": 7, "MAX_TURNS": 8}  # tiny-sft's maze size, a shorter turn budget
 
 
-def test_00_quickstart(kernel: str, tiny_dir: Path, tmp_path: Path) -> None:
-    m = run_notebook("00_quickstart", kernel, tmp_path, BASE_MODEL=str(tiny_dir), SFT_STEPS=2,
-                     GRPO_STEPS=2, EVAL_MAZES=4, **SMALL)
+def test_00_quickstart(kernel: str, sft_model: str, tmp_path: Path) -> None:
+    m = run_notebook("00_quickstart", kernel, tmp_path, GRPO_STEPS=2, EVAL_MAZES=4, **SMALL)
     assert m["steps"] == [1, 2] and m["eval_steps"] == [0, 2]
     assert all(0.0 <= r <= 1.0 for r in m["reward_mean"] + m["success_rate"])
-    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(5, 4), 6, "reach_goal")
+    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(7, 4), 8, "reach_goal")
     assert all(s <= m["ceiling"] for s in m["eval_greedy_solved"])
     assert m["cluster"] == "in-process"
 
@@ -121,8 +120,7 @@ def test_01_mazes(kernel: str, tmp_path: Path) -> None:
 
 
 def test_02_rollouts(kernel: str, sft_model: str, tmp_path: Path) -> None:
-    m = run_notebook("02_rollouts", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
-                     MAZES=2, SAMPLES_PER_MAZE=8, **SMALL)
+    m = run_notebook("02_rollouts", kernel, tmp_path, MAZES=2, SAMPLES_PER_MAZE=8, **SMALL)
     rewards, adv = m["rewards_P_G"], m["advantages_P_G"]
     assert len(rewards) == 2 and all(len(g) == 8 for g in rewards)
     flat = [len(set(g)) == 1 for g in rewards]
@@ -139,20 +137,20 @@ def test_02_rollouts(kernel: str, sft_model: str, tmp_path: Path) -> None:
 
 
 def test_03_update(kernel: str, sft_model: str, tmp_path: Path) -> None:
-    m = run_notebook("03_update", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
-                     MAZES=2, SAMPLES_PER_MAZE=4, REPLAY_STEP=2, **SMALL)
+    m = run_notebook("03_update", kernel, tmp_path, MAZES=2, SAMPLES_PER_MAZE=4, REPLAY_STEP=2,
+                     **SMALL)
     assert m["datums"] == 8 and m["tokens"] > 0
     assert m["max_abs_logprob_diff_before"] < 1e-4 and m["clip_fraction_before"] == 0.0
     total = math.sqrt(sum(v * v for v in m["module_grad_norms"].values()))
     assert math.isclose(total, m["grad_norm"], rel_tol=1e-4, abs_tol=1e-7)
     assert m["replay_exact"] and m["replay_replayed"] == m["replay_logged"]
+    assert 1 <= m["replay_step"] <= 2  # the last recorded step that updated
     assert m["replay_logged"]["update/loss"] == m["replay_replayed"]["update/loss"]
 
 
 def test_04_train_kill_and_resume(kernel: str, sft_model: str, tmp_path: Path) -> None:
-    m = run_notebook("04_train", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
-                     TOTAL_STEPS=4, KILL_AFTER=2, CKPT_INTERVAL=2, EVAL_INTERVAL=2,
-                     EXPORT_INTERVAL=4, EVAL_MAZES=4, **SMALL)
+    m = run_notebook("04_train", kernel, tmp_path, TOTAL_STEPS=4, KILL_AFTER=2, CKPT_INTERVAL=2,
+                     EVAL_INTERVAL=2, EXPORT_INTERVAL=4, EVAL_MAZES=4, **SMALL)
     assert m["return_code"] == -9, "the background run finished before it was killed"
     assert 2 <= m["last_step_at_kill"] < 4
     assert m["identical"], "resumed metrics differ from the uninterrupted run's"
@@ -162,9 +160,8 @@ def test_04_train_kill_and_resume(kernel: str, sft_model: str, tmp_path: Path) -
 
 
 def test_05_evaluate(kernel: str, tiny_dir: Path, sft_model: str, tmp_path: Path) -> None:
-    m = run_notebook("05_evaluate", kernel, tmp_path, BASE_MODEL=str(tiny_dir),
-                     SFT_MODEL=sft_model, GRPO_STEPS=2, EVAL_MAZES=8, **SMALL)
-    ceiling = oracle_ceiling(eval_set(5, 8), 6, "reach_goal")
+    m = run_notebook("05_evaluate", kernel, tmp_path, GRPO_STEPS=2, EVAL_MAZES=8, **SMALL)
+    ceiling = oracle_ceiling(eval_set(7, 8), 8, "reach_goal")
     assert m["ceiling"] == m["oracle_ceiling"] == ceiling
     assert set(m["solved"]) == {"base/greedy", "sft/greedy", "grpo/greedy"}
     for key, solved in m["solved"].items():
@@ -188,7 +185,7 @@ def test_06_serve(kernel: str, sft_model: str, tmp_path: Path,
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    m = run_notebook("06_serve", kernel, tmp_path, SFT_MODEL=sft_model, GRPO_STEPS=1, PORT=port,
+    m = run_notebook("06_serve", kernel, tmp_path, GRPO_STEPS=1, PORT=port,
                      **SMALL)
     assert m["models"] == ["sft", "sft:maze-nb", "sft:default"] and m["default"] == "maze-nb"
     assert m["step"] == 1 and m["cluster"] == "local" and m["same_as_in_process"]
@@ -196,8 +193,7 @@ def test_06_serve(kernel: str, sft_model: str, tmp_path: Path,
 
 
 def test_07_session_api(kernel: str, sft_model: str, tmp_path: Path) -> None:
-    m = run_notebook("07_session_api", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
-                     ITERATIONS=3, **SMALL)
+    m = run_notebook("07_session_api", kernel, tmp_path, ITERATIONS=3, **SMALL)
     assert m["iterations"] == [1, 2, 3] and m["optimizer_steps"] == [1, 2, 3]
     assert m["logprob_gap"] < 1e-4
     assert all(0.0 <= r <= 1.0 for r in m["rewards"])
@@ -210,8 +206,7 @@ def test_07_session_api_on_local_ray(kernel: str, sft_model: str, tmp_path: Path
     pytest.importorskip("ray")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    m = run_notebook("07_session_api", kernel, tmp_path, BASE_MODEL=sft_model, SFT_STEPS=0,
-                     ITERATIONS=1, RAY_ADDRESS="local", **SMALL)
+    m = run_notebook("07_session_api", kernel, tmp_path, ITERATIONS=1, RAY_ADDRESS="local", **SMALL)
     assert m["cluster"] == "local" and m["optimizer_steps"] == [1]
     assert m["logprob_gap"] < 1e-4
 
@@ -260,7 +255,7 @@ def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
     root = tmp_path / "lab"
     root.mkdir()
     nb = load_notebook_node(str(NOTEBOOKS / "02_rollouts.ipynb"))
-    nb = parameterize_notebook(nb, {"BASE_MODEL": sft_model, "SFT_STEPS": 0, "MAZES": 1,
+    nb = parameterize_notebook(nb, {"MAZES": 1,
                                     "SAMPLES_PER_MAZE": 4, "OUT_DIR": str(tmp_path / "out"),
                                     **SMALL})
     nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python (workbench test)",

@@ -49,6 +49,6 @@ def test_prompts_are_seeded_open_squares_off_the_goal(bench) -> None:
     for p in a:
         maze = make_maze(CONFIG.size, p.maze_seed)
         assert not maze.walls_HW[p.pos] and p.pos != maze.goal
-        assert p.image_HW3.shape == (7 * 32, 7 * 32, 3)
+        assert p.image_HW3.shape == (7 * CONFIG.px_per_cell, 7 * CONFIG.px_per_cell, 3)
         assert p.text.startswith("This is step 1.")
     assert len({p.maze_seed for p in a}) == 8

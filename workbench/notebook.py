@@ -137,7 +137,8 @@ def evaluate_model(config: RunConfig, model: str, adapter: str | Path = "",
     from workbench.rl.train import open_session
 
     lora = adapter_settings(str(adapter)) if adapter else None
-    extra = [f"lora.rank={lora.rank}", f"lora.alpha={lora.alpha}"] if lora else []
+    extra = [f"lora.rank={lora.rank}", f"lora.alpha={lora.alpha}",
+             f"lora.vision={lora.vision}"] if lora else []
     cfg = apply_overrides(config, [f"model.name={model}", *extra])
     session = open_session(cfg, Path(cfg.run_dir) / f"eval-{name}", log=lambda *_: None)
     try:

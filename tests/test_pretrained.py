@@ -1,0 +1,68 @@
+"""The pretrained tiny policy: deterministic bytes, its report, the cache, and reward variance
+from a first GRPO step (the reason it exists)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from workbench.config import PRESETS, apply_overrides
+from workbench.model.load import resolve_model_path
+from workbench.rl.pretrained import RECIPE, describe, read_report, tiny_sft_path, weights_sha256
+
+PINNED_SHA256 = "26a031cfbe8082381f20dc0a3c7186eef880422ab3b276d05eaa66171b19ccea"
+"""sha256 of tiny-sft's model.safetensors as built by RECIPE with the locked stack (torch 2.14.1,
+transformers 5.20.2) on an x86-64 CPU with AVX2 (the build pins its kernels: PINNED_ENV)."""
+
+
+def test_build_writes_the_pinned_bytes(tiny_sft_dir: Path) -> None:
+    report = read_report(tiny_sft_dir)
+    assert weights_sha256(tiny_sft_dir) == report["weights_sha256"] == PINNED_SHA256
+    assert report["recipe"] == asdict(RECIPE)
+    assert tiny_sft_dir.name == f"tiny-sft-{RECIPE.build_hash}"
+
+
+def test_report_holds_the_held_out_evaluation(tiny_sft_dir: Path) -> None:
+    report = read_report(tiny_sft_dir)
+    greedy, sampled = report["greedy"], report["sampled"]
+    assert (greedy["n_mazes"], greedy["episodes_per_maze"]) == (64, 1)
+    assert sampled["episodes_per_maze"] == RECIPE.eval_passes
+    assert greedy["ceiling"] == 63
+    # the pinned bytes play the held-out set exactly so: about half solved, room to climb
+    assert (greedy["solved"], sampled["solved"]) == (35.0, 33.0)
+    assert describe(report).startswith("tiny-sft: built in ")
+    metrics = [json.loads(line) for line in (tiny_sft_dir / "sft_metrics.jsonl").open()]
+    assert [m["step"] for m in metrics] == list(range(1, RECIPE.steps + 1))
+
+
+def test_the_name_resolves_to_the_cached_build(tiny_sft_dir: Path, workbench_cache: Path) -> None:
+    assert resolve_model_path("tiny-sft") == str(tiny_sft_dir)
+    assert tiny_sft_dir.is_relative_to(workbench_cache)
+    before = (tiny_sft_dir / "model.safetensors").stat().st_mtime_ns
+    assert tiny_sft_path() == tiny_sft_dir
+    assert (tiny_sft_dir / "model.safetensors").stat().st_mtime_ns == before  # not rebuilt
+    assert PRESETS["tiny"].model.name == "tiny-sft"
+
+
+def test_first_grpo_step_from_it_has_reward_variance(tiny_sft_dir: Path, tmp_path: Path) -> None:
+    from workbench.rl import phases
+    from workbench.rl.train import open_session, step_mazes
+
+    config = apply_overrides(PRESETS["tiny"], ["trainer.train_batch_size=4",
+                                               "generator.n_samples_per_prompt=4"])
+    session = open_session(config, tmp_path)
+    try:
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        from workbench.policy import SamplingParams
+
+        ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 4,
+                            SamplingParams(max_tokens=4, temperature=1.0), seed=0)
+    finally:
+        session.close()
+    rewards_P_G = phases.score(ro).rewards_P_G
+    adv = phases.advantages(rewards_P_G)
+    assert 0 < rewards_P_G.mean() < 1
+    assert adv.zero_variance_groups < 4 and np.abs(adv.advantages_P_G).sum() > 0
