@@ -8,6 +8,9 @@
   import bench; bench.print_serving()"`).
 - ray: a GRPO step of the demo shape in-process vs on a local Ray instance (the same steps,
   alternated), and rollout throughput with 1 vs 2 sampler engines (alone: `... bench.print_ray()`).
+- issue 13's cheaper steps: the update with each distinct image encoded once against every
+  occurrence encoded, and one AdamW step fused against the per-tensor loop (everything but
+  serving and Ray: `... bench.print_core()`).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def bench_env(steps: int = 2000, repeats: int = 5) -> float:
-    """Median env steps/s (7x7, 32 px, rendering every step)."""
+    """Median env steps/s (7x7 at the default 16 px, rendering every step)."""
     env, rng = MazeEnv(MazeConfig(size=7)), np.random.default_rng(0)
     words = ("up", "down", "left", "right")
 
@@ -145,6 +148,56 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
     result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
     session.close()
     return result
+
+
+def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
+    """Median seconds of the same update (8 mazes x 8 samples of one rollout, all 64 episodes,
+    LoRA 32 with the vision tower) with each distinct image encoded once, and with every
+    occurrence encoded (the code before: `takes_encoder_outputs` patched to False here)."""
+    import workbench.policy.forward as forward
+    from workbench.config import PRESETS
+    from workbench.rl import phases
+    from workbench.rl.train import step_mazes
+    from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
+
+    config = PRESETS["tiny"]
+    session = create_session("tiny", config.lora.settings, workdir="/tmp/workbench-bench")
+    tc = session.training_client
+    sampler = tc.save_weights_and_get_sampling_client()
+    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
+                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
+    images = [img for d in datums for img in d.stream.images]
+    out = {"images": len(images), "distinct_images": len(forward.distinct(images)[0])}
+    original = forward.takes_encoder_outputs
+    for label, takes in (("every_occurrence", lambda cls: False), ("distinct", original)):
+        forward.takes_encoder_outputs = takes
+        try:
+            out[label] = _median_time(lambda: phases.update(
+                tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
+                AdamParams(learning_rate=1e-6)), repeats)
+        finally:
+            forward.takes_encoder_outputs = original
+    session.close()
+    return out
+
+
+def bench_optimizer(repeats: int = 20) -> dict[str, float]:
+    """Median seconds of one AdamW step over every weight of the tiny model (what each step of
+    the tiny-sft build and of `python -m workbench sft` pays): the per-tensor loop (torch's CPU
+    default, the code before) against the fused kernel the session now uses."""
+    from workbench.model import load_model
+
+    model = load_model("tiny").model
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    out = {"parameters": float(sum(p.numel() for p in params))}
+    for label, kwargs in (("loop", {"foreach": False}), ("fused", {"fused": True})):
+        opt = torch.optim.AdamW(params, lr=1e-4, **kwargs)
+        opt.step()  # allocate the moments outside the timing
+        out[label] = _median_time(opt.step, repeats)
+    return out
 
 
 def _random_adapters(folder: Path, n: int, rank: int = 32) -> list[Path]:
@@ -301,9 +354,11 @@ def print_ray(steps: int = 3) -> None:
               f"episodes/s, {r[f'rollout_turns_per_s/{engines}']:.0f} turns/s")
 
 
-def main() -> None:
+def print_core() -> None:
+    """The env, sampler, rollout and GRPO-step figures, the distinct-image update and AdamW
+    (everything of `make bench` but serving and Ray)."""
     torch.set_num_threads(1)
-    print(f"env: {bench_env():,.0f} steps/s (7x7, 32 px, render every step, 1 thread)")
+    print(f"env: {bench_env():,.0f} steps/s (7x7, 16 px, render every step, 1 thread)")
     torch.set_num_threads(2)
     s = bench_sampling()
     print(f"sampling (tiny, batch 64, 2 threads): prefill {s['prefill_tokens_per_s']:,.0f} "
@@ -319,6 +374,18 @@ def main() -> None:
           f"{g['eval']:.2f}")
     print(f"  sampled {g['sampled_tokens_s']:,.0f} reply tokens/s, update "
           f"{g['update_tokens_s']:,.0f} tokens/s, peak RSS {g['peak_rss_gb']:.2f} GB")
+    d = bench_distinct_images()
+    print(f"update of 64 episodes ({d['images']} images, {d['distinct_images']} distinct), "
+          "median s: "
+          f"every image encoded {d['every_occurrence']:.2f}, each distinct image once "
+          f"{d['distinct']:.2f}")
+    o = bench_optimizer()
+    print(f"AdamW step over all {o['parameters'] / 1e6:.1f} M tiny weights (2 threads), median: "
+          f"per-tensor loop {1e3 * o['loop']:.1f} ms, fused {1e3 * o['fused']:.1f} ms")
+
+
+def main() -> None:
+    print_core()
     print_serving()
     print_ray()
 

@@ -1,14 +1,21 @@
-"""The main job on the embedded default: SFT baseline -> GRPO, evaluated before and after.
+"""The main job on the embedded default: the pretrained tiny policy -> GRPO, evaluated on
+held-out mazes before, during and after.
 
     make demo        # = python -m workbench demo --out runs/demo      (about 15 minutes, 2 cores)
     make demo-long   # = python -m workbench demo --out runs/demo-long --long
 
 1. Baselines on the fixed 64-maze set (7x7, 15 turns): random, random-among-open-moves, oracle.
-2. SFT on oracle trajectories (full fine-tune of the tiny Qwen3-VL) -> runs/demo/sft/model.
-3. GRPO with LoRA on top of the SFT model -> runs/demo/grpo (metrics, checkpoints, exports).
+2. The pretrained tiny policy `tiny-sft` (`workbench.rl.pretrained`): built on first use, in about
+   four minutes, and reported; cached after that.
+3. GRPO with LoRA on top of it -> runs/demo/grpo (metrics, checkpoints, exports), evaluated on the
+   held-out set every `EVAL_EVERY` steps, greedy and sampled.
 4. The seed-style table (SFT baseline X/64 -> GRPO Y/64, ceiling Z/64), greedy and sampled
-   separately (sampled success averaged over several passes), and two pictures:
-   training.png (reward/success per step with the ceiling) and episodes.png.
+   separately (sampled success is the mean of the passes), and two pictures: training.png
+   (rollouts, behaviour per step, and the eval curves with their 95% noise band) and
+   episodes.png.
+
+No maze of the eval set, nor any maze with the same walls and goal, is ever trained on
+(`envs.train_maze`).
 """
 
 from __future__ import annotations
@@ -22,16 +29,23 @@ from workbench.config import PRESETS, RunConfig, apply_overrides
 from workbench.envs import eval_set
 from workbench.rl import SCRIPTED, EvalResult, format_table, play_scripted, summarize
 
+EVAL_EVERY = 4
+"""Steps between evaluations on the held-out set (and the curve's points)."""
+
 DEMO_OVERRIDES = [
-    "sft.steps=480", "sft.batch_size=2", "sft.learning_rate=3e-4",
-    "trainer.total_steps=16", "trainer.train_batch_size=8", "generator.n_samples_per_prompt=8",
-    "trainer.learning_rate=3e-4", "trainer.loss_reduction=sequence_mean",
-    "trainer.eval_interval=16", "trainer.ckpt_interval=8", "trainer.hf_save_interval=8",
-    "eval.sampled_passes=4",
+    "model.name=tiny-sft", "trainer.total_steps=48", "trainer.train_batch_size=8",
+    "generator.n_samples_per_prompt=8", "trainer.learning_rate=3e-4",
+    "trainer.loss_reduction=sequence_mean", "trainer.step_advantage=1.0",
+    f"trainer.eval_interval={EVAL_EVERY}",
+    "trainer.ckpt_interval=16", "trainer.hf_save_interval=16", "eval.sampled_passes=2",
 ]
 LONG_OVERRIDES = DEMO_OVERRIDES + [
-    "trainer.total_steps=40", "trainer.eval_interval=10",
-    "trainer.ckpt_interval=10", "trainer.hf_save_interval=20"]
+    "trainer.total_steps=100", "trainer.ckpt_interval=20", "trainer.hf_save_interval=20"]
+LONG_SFT_OVERRIDES = [
+    "sft.steps=3000", "sft.batch_size=2", "sft.learning_rate=3e-4", "sft.noise=0.2",
+    "sft.full_finetune=true", "trainer.seed=1"]
+"""--long first continues tiny-sft's SFT (same recipe, 3000 more steps on fresh training mazes:
+trainer.seed=1), then runs GRPO from that model."""
 
 
 def demo_config(out: Path, long: bool = False, overrides: tuple[str, ...] = ()) -> RunConfig:
@@ -59,8 +73,9 @@ def seed_table(before: list[EvalResult], after: list[EvalResult]) -> str:
 
 
 def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = ()) -> dict:
-    """Baselines, SFT, GRPO, tables and pictures; returns the summary written to summary.json."""
-    from workbench.rl.sft import run_sft
+    """Baselines, the pretrained policy, GRPO, tables and pictures; returns the summary written
+    to summary.json."""
+    from workbench.model.load import resolve_model_path
     from workbench.rl.train import train
 
     out = Path(out)
@@ -69,10 +84,12 @@ def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = (
     t0 = time.perf_counter()
     base = baselines(config)
     print(format_table(base))
-    sft_model = run_sft(replace(config, run_dir=str(out / "sft")))
-    t_sft = time.perf_counter() - t0
-    grpo_cfg = replace(config, model=replace(config.model, name=str(sft_model)))
-    grpo_cfg = replace(grpo_cfg, trainer=replace(grpo_cfg.trainer, resume_mode="none"))
+    start_model = resolve_model_path(config.model.name)  # builds tiny-sft once, and says so
+    if long:
+        start_model = more_sft(long_sft_config(out, overrides))
+    t_start_model = time.perf_counter() - t0
+    grpo_cfg = replace(config, model=replace(config.model, name=str(start_model)),
+                       trainer=replace(config.trainer, resume_mode="none"))
     trainer = train(grpo_cfg)
     evals = sorted((out / "grpo" / "eval").glob("step_*.json"))
     before = [EvalResult(**_tuple(r)) for r in json.loads(evals[0].read_text())["results"]]
@@ -81,9 +98,11 @@ def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = (
     print(format_table(base + [replace(r, policy="sft") for r in before]
                        + [replace(r, policy="grpo") for r in after]))
     print(table)
-    _pictures(out, trainer)
-    summary = {"seconds_total": time.perf_counter() - t0, "seconds_sft": t_sft,
-               "table": table, "baselines": [r.__dict__ for r in base],
+    title = "GRPO from tiny-sft" + (" + more SFT" if long else "")
+    _pictures(out, trainer, title)
+    summary = {"seconds_total": time.perf_counter() - t0, "seconds_start_model": t_start_model,
+               "start_model": str(start_model), "table": table,
+               "baselines": [r.__dict__ for r in base],
                "sft": [r.__dict__ for r in before], "grpo": [r.__dict__ for r in after]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"total {summary['seconds_total'] / 60:.1f} min; wrote {out}/summary.json, "
@@ -91,15 +110,29 @@ def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = (
     return summary
 
 
+def long_sft_config(out: Path, overrides: tuple[str, ...] = ()) -> RunConfig:
+    """--long's SFT stage: the demo's settings + LONG_SFT_OVERRIDES + overrides, into out/sft."""
+    chosen = DEMO_OVERRIDES + LONG_SFT_OVERRIDES
+    return apply_overrides(PRESETS["tiny"], chosen + [f"run_dir={out / 'sft'}", *overrides])
+
+
+def more_sft(config: RunConfig) -> Path:
+    """--long's first stage: SFT of config.model.name by config.sft -> <run_dir>/model."""
+    from workbench.rl.sft import run_sft
+
+    print(f"SFT: {config.sft.steps} more steps on {config.model.name} -> {config.run_dir}/model")
+    return run_sft(config)
+
+
 def _tuple(result: dict) -> dict:
     return result | {"successes_P": tuple(result["successes_P"])}
 
 
-def _pictures(out: Path, trainer) -> None:
+def _pictures(out: Path, trainer, title: str) -> None:
     from workbench.run import read_metrics
     from workbench.viz import episode_grid, plot_training
 
-    plot_training(read_metrics(out / "grpo"), "GRPO on the tiny Qwen3-VL").savefig(
+    plot_training(read_metrics(out / "grpo"), title).savefig(
         out / "training.png", dpi=80)
     episodes = trainer.last_eval.episodes
     mode = "sampled" if "sampled" in episodes else "greedy"
