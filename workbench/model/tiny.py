@@ -27,8 +27,10 @@ import hashlib
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -162,12 +164,18 @@ def tiny_path(spec: TinySpec = TinySpec(), root: str | Path | None = None) -> Pa
     """The folder of the tiny default, built on first use (atomically: temp folder, rename)."""
     root = Path(root) if root is not None else cache_root()
     final = root / "models" / f"tiny-qwen3vl-{spec.build_hash}"
-    if (final / "WORKBENCH_TINY.txt").exists():
-        return final
+    if not (final / "WORKBENCH_TINY.txt").exists():
+        build_atomically(final, lambda tmp: build_tiny(tmp, spec))
+    return final
+
+
+def build_atomically(final: Path, build: Callable[[Path], Any]) -> None:
+    """Run build(tmp) into a temporary folder beside `final`, then rename it to `final`; a
+    failed build leaves nothing, and a concurrent build that finished first is kept."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-", dir=final.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=final.parent))
     try:
-        build_tiny(tmp, spec)
+        build(tmp)
         if final.exists():  # a concurrent build finished first; keep its copy
             shutil.rmtree(tmp)
         else:
@@ -175,4 +183,3 @@ def tiny_path(spec: TinySpec = TinySpec(), root: str | Path | None = None) -> Pa
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
-    return final

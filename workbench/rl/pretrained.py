@@ -27,13 +27,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.model.tiny import TINY_SFT_NAME
+from workbench.model.tiny import TINY_SFT_NAME, build_atomically
 
 PINNED_ENV: dict[str, str] = {
     "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: one code path everywhere
@@ -101,28 +100,23 @@ def tiny_sft_path(recipe: PretrainRecipe = RECIPE, root: str | Path | None = Non
     final = root / "models" / f"{TINY_SFT_NAME}-{recipe.build_hash}"
     if (final / "report.json").exists():
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".building-sft-", dir=final.parent))
     log(f"building {TINY_SFT_NAME} (once; {recipe.steps} SFT steps on held-out "
         f"{recipe.size}x{recipe.size} training mazes, then the held-out evaluation) ...")
-    try:
-        env = os.environ | PINNED_ENV | {"WORKBENCH_CACHE": str(root)}
-        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(recipe.threads)
-        done = subprocess.run(
-            [sys.executable, "-m", "workbench.rl.pretrained", "--build", str(tmp),
-             json.dumps(asdict(recipe))], env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise RuntimeError(f"building {TINY_SFT_NAME} failed (exit {done.returncode}):\n"
-                               f"{done.stderr[-3000:]}")
-        if final.exists():  # a concurrent build finished first; keep its copy
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    build_atomically(final, lambda tmp: _build_in_child(tmp, recipe, root))
     log(describe(read_report(final)) + f" -> {final}")
     return final
+
+
+def _build_in_child(folder: Path, recipe: PretrainRecipe, root: Path) -> None:
+    """`build` in a child process with PINNED_ENV; its stderr tail if it fails."""
+    env = os.environ | PINNED_ENV | {"WORKBENCH_CACHE": str(root)}
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(recipe.threads)
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.rl.pretrained", "--build", str(folder),
+         json.dumps(asdict(recipe))], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {TINY_SFT_NAME} failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
 
 
 def read_report(folder: str | Path) -> dict[str, Any]:
