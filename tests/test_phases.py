@@ -275,6 +275,21 @@ def test_turn_datum_gives_each_reply_its_advantage(streams) -> None:
     assert datum.weights_T == tuple(float(m) for m in stream.loss_mask_T)
 
 
+def test_oracle_datum_trains_only_the_oracle_replies(tiny, fmt) -> None:
+    """SFT with noise: the random detours stay in context with weight 0, the oracle's replies
+    get weight 1 on every token, and no token carries an advantage."""
+    from workbench.rl.sft import _play_scripted_stream, oracle_datum
+
+    config, state = MazeConfig(size=7, max_turns=10), eval_set(7, 1)[0]
+    stream, own = _play_scripted_stream(tiny.processor, fmt, config, state, "oracle", 0.5, 3)
+    datum = oracle_datum(tiny.processor, fmt, config, state, noise=0.5, seed=3)
+    assert datum.stream.tokens_T == stream.tokens_T and 0 < sum(own) < len(own)
+    runs = stream.reply_index_T()
+    assert max(runs) + 1 == len(own) and runs.count(-1) == len(stream) - sum(stream.loss_mask_T)
+    assert datum.weights_T == tuple(1.0 if r >= 0 and own[r] else 0.0 for r in runs)
+    assert set(datum.advantages_T) == {0.0}
+
+
 def test_make_datums_from_model_rollout_keeps_sampler_logprobs(tiny) -> None:
     states = eval_set(5, 2)
     eps = play_model(tiny, SMALL, states, n=2, params=SamplingParams(max_tokens=2),

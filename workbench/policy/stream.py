@@ -67,6 +67,16 @@ class Stream:
     def __len__(self) -> int:
         return len(self.tokens_T)
 
+    def reply_index_T(self) -> list[int]:
+        """Per token, the index of the reply (a run of loss-mask tokens: one per turn of a
+        rollout) it belongs to; -1 for tokens outside the replies."""
+        out, reply = [], -1
+        for t, m in enumerate(self.loss_mask_T):
+            if m and (t == 0 or not self.loss_mask_T[t - 1]):
+                reply += 1
+            out.append(reply if m else -1)
+        return out
+
 
 def chat_format(processor: Any) -> ChatFormat:
     """Read the chat markup ids from a Qwen-VL processor (tiny or real)."""

@@ -26,7 +26,7 @@ from workbench.policy import SamplingParams, Stream
 from workbench.rl.evaluate import EvalResult, summarize
 from workbench.rl.rollout import Episode
 from workbench.session.losses import LossConfig
-from workbench.session.types import AdamParams, Datum
+from workbench.session.types import AdamParams, Datum, per_reply
 
 
 @dataclass
@@ -213,18 +213,13 @@ def make_datums(record: RolloutRecord, adv: AdvantageRecord,
 
 def replies(stream: Stream) -> int:
     """Replies in a stream: runs of loss-mask tokens (one per turn of a rollout)."""
-    mask = stream.loss_mask_T
-    return sum(1 for t, m in enumerate(mask) if m and (t == 0 or not mask[t - 1]))
+    return 1 + max(stream.reply_index_T(), default=-1)
 
 
 def turn_datum(stream: Stream, advantages_R: np.ndarray) -> Datum:
     """A datum whose r-th reply (run of loss-mask tokens) carries advantages_R[r], weight 1."""
-    adv_T, reply = [], -1
-    for t, m in enumerate(stream.loss_mask_T):
-        if m and (t == 0 or not stream.loss_mask_T[t - 1]):
-            reply += 1
-        adv_T.append(float(advantages_R[reply]) if m else 0.0)
-    return Datum(stream, tuple(adv_T), tuple(float(m) for m in stream.loss_mask_T))
+    return Datum(stream, per_reply(stream, advantages_R),
+                 tuple(float(m) for m in stream.loss_mask_T))
 
 
 @dataclass

@@ -22,7 +22,7 @@ from workbench.envs import InitState, MazeConfig, MazeEnv, init_maze, system_pro
 from workbench.policy import ChatFormat, Stream, append_reply, chat_format, start_stream
 from workbench.rl.rollout import SCRIPTED, observe
 from workbench.session.losses import LossConfig
-from workbench.session.types import AdamParams, Datum
+from workbench.session.types import AdamParams, Datum, per_reply
 
 SFT_INDEX_OFFSET = 50_000_000  # SFT mazes: training indices far from the GRPO ones
 
@@ -62,12 +62,7 @@ def oracle_datum(processor: Any, fmt: ChatFormat, config: MazeConfig, state: Ini
     walls included) are in context but weighted 0, so the model also sees the wall feedback and
     the oracle's way back from a wrong square (a noisy-expert, DART-style recipe)."""
     stream, own = _play_scripted_stream(processor, fmt, config, state, "oracle", noise, seed)
-    weights, reply = [], -1
-    for t, m in enumerate(stream.loss_mask_T):
-        if m and (t == 0 or not stream.loss_mask_T[t - 1]):
-            reply += 1  # a new run of reply tokens starts
-        weights.append(float(m and own[reply]))
-    return Datum(stream, tuple(0.0 for _ in weights), tuple(weights))
+    return Datum(stream, (0.0,) * len(stream), per_reply(stream, own))
 
 
 @dataclass(frozen=True)

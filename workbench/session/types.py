@@ -29,6 +29,12 @@ def datum_from_stream(stream: Stream, advantage: float = 0.0) -> Datum:
     return Datum(stream=stream, advantages_T=tuple(advantage * m for m in mask), weights_T=mask)
 
 
+def per_reply(stream: Stream, values_R) -> tuple[float, ...]:
+    """A per-token table carrying values_R[r] on the tokens of the stream's r-th reply and 0.0
+    off the replies (`Stream.reply_index_T`)."""
+    return tuple(float(values_R[r]) if r >= 0 else 0.0 for r in stream.reply_index_T())
+
+
 @dataclass(frozen=True)
 class AdamParams:
     """One optimiser step's hyper-parameters (Tinker's AdamParams)."""
