@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup chromium test demo demo-long bench bench-scale bench-trl bench-gpu lint lab lock clean
+.PHONY: setup chromium test test-fast demo demo-long bench bench-scale bench-trl bench-gpu lint typecheck lab lock clean
 
 setup: $(STAMP) chromium
 
@@ -28,8 +28,16 @@ $(STAMP): pyproject.toml requirements/lock-cpu.txt
 lint: setup
 	$(BIN)/ruff check workbench tests benchmarks
 
-test: setup lint
+# mypy over workbench/ ([tool.mypy] in pyproject.toml): zero errors.
+typecheck: setup
+	$(BIN)/mypy
+
+test: setup lint typecheck
 	$(BIN)/python -m pytest
+
+# The inner loop (under 3 min on 2 cores): the markers are assigned in tests/conftest.py.
+test-fast: setup lint typecheck
+	$(BIN)/python -m pytest -m "not slow and not ray and not notebook and not browser and not gpu"
 
 demo: setup
 	$(BIN)/python -m workbench demo --out runs/demo

@@ -114,11 +114,17 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
 
     from workbench.config import PRESETS
     from workbench.rl import phases
-    from workbench.rl.train import step_mazes
-    from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
+    from workbench.rl.schedule import step_mazes
+    from workbench.session import (
+        AdamParams,
+        LossConfig,
+        SessionSpec,
+        create_session,
+        datum_from_stream,
+    )
 
     config = PRESETS["tiny"]
-    session = create_session("tiny", workdir="/tmp/workbench-bench")
+    session = create_session(SessionSpec("tiny", workdir="/tmp/workbench-bench"))
     tc = session.training_client
     out = {k: [] for k in ("rollout", "score", "advantages", "update", "eval", "sampled_tokens_s",
                            "update_tokens_s")}
@@ -157,11 +163,18 @@ def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
     import workbench.policy.forward as forward
     from workbench.config import PRESETS
     from workbench.rl import phases
-    from workbench.rl.train import step_mazes
-    from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
+    from workbench.rl.schedule import step_mazes
+    from workbench.session import (
+        AdamParams,
+        LossConfig,
+        SessionSpec,
+        create_session,
+        datum_from_stream,
+    )
 
     config = PRESETS["tiny"]
-    session = create_session("tiny", config.lora.settings, workdir="/tmp/workbench-bench")
+    session = create_session(SessionSpec("tiny", config.lora.settings,
+                                         workdir="/tmp/workbench-bench"))
     tc = session.training_client
     sampler = tc.save_weights_and_get_sampling_client()
     ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
@@ -203,9 +216,10 @@ def bench_optimizer(repeats: int = 20) -> dict[str, float]:
 def _random_adapters(folder: Path, n: int, rank: int = 32) -> list[Path]:
     """n LoRA adapters on the tiny default with random B (untrained, but each one different)."""
     from workbench.model import LoraSettings
-    from workbench.session import create_session
+    from workbench.session import SessionSpec, create_session
 
-    session = create_session("tiny", LoraSettings(rank=rank, alpha=2 * rank), workdir=folder)
+    session = create_session(SessionSpec("tiny", LoraSettings(rank=rank, alpha=2 * rank),
+                                         workdir=str(folder)))
     out, gen = [], torch.Generator().manual_seed(0)
     for k in range(n):
         with torch.no_grad():
@@ -304,17 +318,18 @@ def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:
     from workbench.cluster import connect, create_ray_session, disconnect
     from workbench.config import PRESETS
     from workbench.rl import phases
-    from workbench.rl.train import step_mazes
-    from workbench.session import create_session
+    from workbench.rl.schedule import step_mazes
+    from workbench.session import ClusterSpec, SessionSpec, create_session
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only instance; no token file
     config, tmp = PRESETS["tiny"], Path(tempfile.mkdtemp(prefix="workbench-bench-ray-"))
     torch.set_num_threads(threads)
     connect("local", num_cpus=2, temp_dir=tmp / "ray", log=lambda *_: None)
     try:
-        local = create_session("tiny", workdir=tmp / "inprocess")
-        ray_s = create_ray_session("tiny", workdir=tmp / "ray-session", colocate_all=True,
-                                   threads_per_actor=threads)
+        local = create_session(SessionSpec("tiny", workdir=str(tmp / "inprocess")))
+        ray_s = create_ray_session(SessionSpec("tiny", workdir=str(tmp / "ray-session"),
+                                               cluster=ClusterSpec("local", colocate_all=True,
+                                                                   threads_per_actor=threads)))
         times = {"in-process": [], "ray": []}
         for step in range(steps + 1):
             for name, session in (("in-process", local), ("ray", ray_s)):
@@ -326,8 +341,10 @@ def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:
         out = {f"step_s/{k}": statistics.median(v) for k, v in times.items()}
         states, params = step_mazes(config, 1), SamplingParams(max_tokens=2, temperature=1.0)
         for engines, per_engine in ((1, threads), (2, 1)):
-            s = create_ray_session("tiny", workdir=tmp / f"e{engines}", num_engines=engines,
-                                   colocate_all=False, threads_per_actor=per_engine)
+            cluster = ClusterSpec("local", num_engines=engines, colocate_all=False,
+                                  threads_per_actor=per_engine)
+            s = create_ray_session(SessionSpec("tiny", workdir=str(tmp / f"e{engines}"),
+                                               cluster=cluster))
             sampler = s.training_client.save_weights_and_get_sampling_client()
             phases.rollout(sampler, config.maze, states, 8, params, seed=0)  # warm-up
             ros = [phases.rollout(sampler, config.maze, states, 8, params, seed=r + 1)

@@ -49,9 +49,10 @@ from workbench.model.presets import lora_param_count, param_counts  # noqa: E402
 from workbench.policy import SamplingParams, append_user, encode_image, start_stream  # noqa: E402
 from workbench.rl import phases  # noqa: E402
 from workbench.rl.rollout import user_text  # noqa: E402
-from workbench.session.gpu import GpuSettings, configure_gpu  # noqa: E402
-from workbench.session.inprocess import Session, make_host  # noqa: E402
+from workbench.session.host import make_host  # noqa: E402
+from workbench.session.inprocess import Session  # noqa: E402
 from workbench.session.losses import LossConfig  # noqa: E402
+from workbench.session.spec import SessionSpec, SpeedSettings  # noqa: E402
 from workbench.session.types import AdamParams, datum_from_stream  # noqa: E402
 
 RESULTS: dict[str, Any] = {}
@@ -294,7 +295,7 @@ def set_trainer(host: Any, variant: str) -> tuple[str, bool, int]:
     if ckpt not in ("full", "sac", "none") or lora not in ("bf16", "fp32"):
         raise ValueError(f"update variant {variant!r}: want full|sac|none-bf16|fp32-N")
     set_checkpointing(host.lm.model, ckpt != "none", selective=ckpt == "sac")
-    host.lora_autocast = lora == "bf16"
+    host.speed = replace(host.speed, lora_autocast=lora == "bf16")  # a variant, measured
     return ckpt, lora == "bf16", int(mb)
 
 
@@ -646,15 +647,14 @@ def main() -> None:
     RESULTS["ceilings"] = ceil
     save(out)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    host, s_build = timed(lambda: make_host(args.shape, LoraSettings(rank=32, alpha=64),
-                                            args.workdir, dtype, args.device,
-                                            hash_weights=False), device)
-    static = configure_gpu(host, GpuSettings(cuda_graphs=not args.no_graphs,
-                                             kv_rows=args.mazes * args.group,
-                                             kv_tokens=args.kv_tokens,
-                                             fused_decode=args.decode != "graphs",
-                                             compile_decode=args.decode == "compiled",
-                                             gradient_checkpointing=False))
+    speed = SpeedSettings(cuda_graphs=not args.no_graphs, kv_rows=args.mazes * args.group,
+                          kv_tokens=args.kv_tokens, fused_decode=args.decode != "graphs",
+                          compile_decode=args.decode == "compiled", loss_tokens_only=True,
+                          lora_autocast=True)
+    spec = SessionSpec(args.shape, LoraSettings(rank=32, alpha=64), args.workdir,
+                       str(dtype).removeprefix("torch."), args.device, speed=speed)
+    host, s_build = timed(lambda: make_host(spec), device)
+    static = host.static  # None with --no-graphs (the plain transformers engine)
     if args.update != "best":
         _, _, args.minibatch = set_trainer(host, args.update)
     elif "update" not in sections:

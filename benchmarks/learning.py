@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = apply_overrides(PRESETS["tiny"], [
         f"model.name={base}", f"model.device={args.device}", f"env.px_per_cell={args.px}",
         f"sft.steps={args.steps}", f"sft.batch_size={args.batch}", f"sft.learning_rate={args.lr}",
-        f"sft.noise={args.noise}", "sft.full_finetune=true", f"run_dir={out}"])
+        f"sft.noise={args.noise}", "sft.full_finetune=true", "sft.overwrite=true",
+        f"run_dir={out}"])
     start = time.perf_counter()
     model = run_sft(config, log=lambda *_: None)
     result = {"args": vars(args), "sft_seconds": round(time.perf_counter() - start, 1),

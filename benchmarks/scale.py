@@ -102,7 +102,7 @@ def grpo_step(tc: Any, config: Any, step: int) -> StepTiming:
     in-process vs Ray comparison times the same step."""
     from workbench.policy import SamplingParams
     from workbench.rl import phases
-    from workbench.rl.train import step_mazes
+    from workbench.rl.schedule import step_mazes
     from workbench.session import AdamParams, LossConfig, datum_from_stream
 
     t0 = time.perf_counter()
@@ -138,12 +138,12 @@ def measure_case(case: Case) -> dict[str, Any]:
     """Warm-up step, then `repeats` timed steps in this process -> medians and memory."""
     import torch
 
-    from workbench.session import create_session
+    from workbench.session import SessionSpec, create_session
 
     torch.set_num_threads(case.threads)
     config = run_config(case)
     with tempfile.TemporaryDirectory(prefix="workbench-scale-") as tmp:
-        session = create_session("tiny", workdir=tmp)
+        session = create_session(SessionSpec("tiny", workdir=str(tmp)))
         base_gb = maxrss_gb()
         tc = session.training_client
         t0 = time.perf_counter()

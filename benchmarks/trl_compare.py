@@ -159,11 +159,17 @@ def run_workbench(cfg: CompareConfig, maze: MazeConfig, prompts: list[MovePrompt
         start_stream,
     )
     from workbench.rl import phases
-    from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
+    from workbench.session import (
+        AdamParams,
+        LossConfig,
+        SessionSpec,
+        create_session,
+        datum_from_stream,
+    )
 
     rec = RunRecord("workbench", round_, threads=torch.get_num_threads())
     with tempfile.TemporaryDirectory(prefix="trl-compare-wb-") as workdir:
-        session = create_session(cfg.model, lora_settings(cfg), workdir=workdir)
+        session = create_session(SessionSpec(cfg.model, lora_settings(cfg), workdir=workdir))
         tc = session.training_client
         processor, P, G = tc.get_processor(), cfg.prompts, cfg.group
         fmt, tok = chat_format(processor), processor.tokenizer

@@ -127,12 +127,13 @@ def lora_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> d
     import torch
 
     from workbench.model import LoraSettings, TinySpec, tiny_path
-    from workbench.session import create_session
+    from workbench.session import SessionSpec, create_session
 
     root, out = tmp_path_factory.mktemp("adapters"), {}
     bases = {"a0": tiny_dir, "a1": tiny_dir, "a2": tiny_dir, "foreign": tiny_path(TinySpec(seed=1))}
     for step, (name, base) in enumerate(bases.items(), start=1):
-        session = create_session(str(base), LoraSettings(rank=4, alpha=8), workdir=root / name)
+        session = create_session(SessionSpec(str(base), LoraSettings(rank=4, alpha=8),
+                                             workdir=str(root / name)))
         gen = torch.Generator().manual_seed(step)
         with torch.no_grad():
             for key, p in session.host.trainable().items():
@@ -159,3 +160,73 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
         return storage.open_store(tmp_path / "store")
     bucket = request.getfixturevalue("s3_bucket")
     return storage.open_store(f"{bucket}/some/prefix", request.getfixturevalue("s3_server"))
+
+
+# ------------------------------------------------------------------ test tiers (markers)
+# `make test` runs everything; `make test-fast` deselects slow, ray, notebook, browser and gpu
+# (the inner loop, under 3 min on 2 cores). Markers are assigned here, not in the test files:
+#   slow      a test that takes > ~5 s on a 2-core CPU machine, or needs the tiny-sft build
+#   ray       starts Ray (ray.init, `ray start`, Ray Serve)
+#   notebook  runs a notebook (papermill kernel or JupyterLab)
+#   browser   drives chromium through Playwright
+#   gpu       the GPU code paths (CUDA-only tests skip on the CPU)
+# Measured with `pytest --durations=0` per module (issue 14, item 8). A module not listed is fast.
+MODULE_MARKERS: dict[str, tuple[str, ...]] = {
+    "test_checkpoints": ("slow",),  # every test needs its 2-step training run (module fixture)
+    "test_demo": ("slow",),  # the demo end to end, from tiny-sft
+    "test_gpu_paths": ("gpu",),  # GPU paths checked on CPU (the small shape; 63 s in all)
+    "test_notebooks": ("notebook", "slow"),  # papermill runs, from tiny-sft
+    "test_pretrained": ("slow",),  # the tiny-sft build (~5 min)
+    "test_ray_local": ("ray", "slow"),  # ray.init with 2 CPUs, runs from tiny-sft
+    "test_ray_remote": ("ray", "slow"),  # `ray start --head`, jobs from tiny-sft
+    "test_run_folder": ("slow",),  # most tests copy its 2-step training run (module fixture)
+    "test_spec": ("slow",),  # most tests read its 1-step training run (module fixture)
+    "test_train": ("slow",),  # training runs from tiny-sft, killed and resumed
+}
+
+# Per-test overrides, "module::function" (every parametrization): these markers REPLACE the
+# module's (an empty tuple makes a test of a slow module fast).
+TEST_MARKERS: dict[str, tuple[str, ...]] = {
+    "test_cluster::test_connect_environment_binds_loopback_and_uses_a_token_when_there":
+        ("slow",),  # two Python subprocesses, 6 s
+    "test_cluster::test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device": ("gpu",),
+    "test_demo::test_seed_table_lines": (),
+    "test_gpu_paths::test_static_pool_decode_matches_the_eager_sampler": ("gpu", "slow"),  # 31 s
+    "test_gpu_paths::test_fused_decode_matches_the_eager_sampler": ("gpu", "slow"),  # 8 s + 4 s
+    "test_gpu_paths::test_selective_checkpointing_keeps_the_gradients": ("gpu", "slow"),  # 5 s
+    "test_gpu_paths::test_lora_in_model_dtype_keeps_the_gradients": ("gpu", "slow"),  # 5 s
+    "test_notebooks::test_notebook_is_clean_and_has_its_parameters_cell": (),
+    "test_notebooks::test_every_notebook_is_listed": (),
+    "test_notebooks::test_06_serve": ("notebook", "ray", "slow"),
+    "test_notebooks::test_07_session_api_on_local_ray": ("notebook", "ray", "slow"),
+    "test_notebooks::test_trajectory_player_in_a_real_browser": ("notebook", "browser", "slow"),
+    "test_registry::test_eval_straight_from_s3": ("slow",),  # 9 s
+    "test_run_folder::test_latest_starts_fresh_over_what_a_start_writes_first": (),
+    "test_run_folder::test_sft_refuses_a_run_folder_unless_sft_overwrite": (),
+    "test_run_folder::test_intervals_of_n": (),
+    "test_run_folder::test_intervals_of_zero_mean_never": (),
+    "test_run_folder::test_s3_prefix_is_not_cleared_unasked": (),
+    "test_run_folder::test_s3_resume_skips_a_damaged_checkpoint": (),
+    "test_spec::test_a_spec_round_trips_through_its_file": (),
+    "test_storage::test_run_dir_on_s3_is_mirrored_and_resumed_from_s3": ("slow",),  # 20 s
+    "test_tasks::test_room_plays_through_the_session_and_the_phases": ("slow",),  # 25 s
+    "test_vllm_engine::test_real_vllm_matches_the_trainer": ("gpu",),
+}
+
+# Added to any test that requests these fixtures (directly or through another fixture), in
+# whichever module: a new test on tiny-sft can never land in the fast tier.
+FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
+    "tiny_sft_dir": ("slow",),  # the pretrained tiny policy, built once per session (~5 min)
+    "live_server": ("ray", "slow"),  # `python -m workbench serve` on Ray Serve
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.path.stem
+        name = getattr(item, "originalname", item.name)
+        markers = set(TEST_MARKERS.get(f"{module}::{name}", MODULE_MARKERS.get(module, ())))
+        for fixture in getattr(item, "fixturenames", ()):
+            markers.update(FIXTURE_MARKERS.get(fixture, ()))
+        for marker in sorted(markers):
+            item.add_marker(marker)

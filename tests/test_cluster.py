@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from workbench.cluster.connect import check_reachable, explain_connect_error
-from workbench.cluster.jobs import job_overrides
 from workbench.cluster.parallel import merge_outputs, padded_shards, split_B
 from workbench.cluster.placement import plan_placement
 from workbench.cluster.ray_session import chunk_seed
 from workbench.config import PRESETS, ConfigError, apply_overrides
+from workbench.jobs import job_overrides
 from workbench.session.types import ForwardBackwardOutput
 
 
@@ -164,28 +164,39 @@ def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir
                                                                        tmp_path) -> None:
     """One fsdp trainer worker (NCCL, world size 1), driven directly as its actor would be:
     the frozen base becomes DTensor shards, LoRA stays whole, the update equals in-process."""
+    from dataclasses import replace
+
     from torch.distributed.tensor import DTensor
 
     from workbench.cluster.workers import TrainerWorker
     from workbench.envs import MazeConfig, eval_set
     from workbench.model import LoraSettings
     from workbench.policy import SamplingParams
-    from workbench.session import AdamParams, LossConfig, checkpoint, create_session
-    from workbench.session.inprocess import _snapshot
+    from workbench.rl.rollout import play_episodes
+    from workbench.session import (
+        AdamParams,
+        ClusterSpec,
+        LossConfig,
+        SessionSpec,
+        checkpoint,
+        create_session,
+    )
+    from workbench.session.host import snapshot
     from workbench.session.types import datum_from_stream
 
     lora, cfg = LoraSettings(rank=4, alpha=8), LossConfig()
     adam = AdamParams(learning_rate=1e-3, eps=1e-6)  # eps: see test_ray_local's update test
-    ref = create_session(str(tiny_dir), lora, workdir=tmp_path / "ref", device="cuda")
+    spec = SessionSpec(str(tiny_dir), lora, workdir=str(tmp_path / "ref"), device="cuda",
+                       cluster=ClusterSpec(strategy="fsdp"))
+    ref = create_session(spec)
     sampler = ref.training_client.save_weights_and_get_sampling_client()
-    episodes = sampler.rollout(MazeConfig(size=5, max_turns=3), eval_set(5, 2), 2,
-                               SamplingParams(max_tokens=2), 0).result()
+    episodes = sampler.play(play_episodes, MazeConfig(size=5, max_turns=3), eval_set(5, 2), 2,
+                            SamplingParams(max_tokens=2), 0).result()
     datums = [datum_from_stream(ep.stream, a) for group in episodes
               for ep, a in zip(group, (1.0, -1.0))]
     fb1 = ref.training_client.forward_backward(datums, "ppo", cfg).result()
     opt1 = ref.training_client.optim_step(adam).result()
-    worker = TrainerWorker(str(tiny_dir), lora, str(tmp_path / "w"), torch.float32, "cuda", 0, 1,
-                           "fsdp")
+    worker = TrainerWorker(replace(spec, workdir=str(tmp_path / "w")), 0)
     try:
         worker.join(*worker.open_store("127.0.0.1"))
         params = dict(worker.host.lm.model.named_parameters())
@@ -195,7 +206,7 @@ def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir
         opt2 = worker.optim_step(adam)
         assert fb2.loss == pytest.approx(fb1.loss, rel=1e-5, abs=1e-6)
         assert opt2.grad_norm == pytest.approx(opt1.grad_norm, rel=1e-5)
-        one, sharded = _snapshot(ref.host), worker.snapshot()[1]
+        one, sharded = snapshot(ref.host), worker.snapshot()[1]
         assert max(float((sharded[k] - one[k].cpu()).abs().max()) for k in one) < 1e-5
         saved = worker.call(checkpoint.save_state, tmp_path / "state")
         assert checkpoint.is_complete(saved)

@@ -437,8 +437,8 @@ def test_5x5_has_nothing_left_to_train_on() -> None:
 def test_the_demo_and_the_pretrained_policy_never_train_on_an_eval_task() -> None:
     from workbench.demo import demo_config
     from workbench.rl.pretrained import RECIPE
+    from workbench.rl.schedule import step_mazes
     from workbench.rl.sft import SFT_INDEX_OFFSET
-    from workbench.rl.train import step_mazes
 
     held = eval_task_keys(7)
     sft = train_states(7, SFT_INDEX_OFFSET + RECIPE.seed * 100_000_000,

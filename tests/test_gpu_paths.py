@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -33,6 +35,7 @@ from workbench.policy import (
 from workbench.policy.engine import TransformersEngine
 from workbench.policy.forward import token_logprobs
 from workbench.rl import user_text
+from workbench.session import SpeedSettings
 
 CUDA = torch.cuda.is_available()
 
@@ -152,6 +155,61 @@ def test_fused_decode_matches_the_eager_sampler(small, compiled: bool) -> None:
         for a, b in zip(a_turn, b_turn):
             assert a.tokens == b.tokens
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+
+
+def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small) -> None:
+    """CUDA graphs asked for where capture fails (here: no CUDA): the eager static step runs,
+    one RuntimeWarning says why, and the host's speed/cuda_graphs reads 0.0."""
+    import warnings
+
+    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.session.host import speed_metrics
+
+    prompts = _prompts(small)
+    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")  # Python's default: once per place
+        fallen = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+    lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert len(lines) == 1 and lines[0].startswith("generator.cuda_graphs fell back to the "
+                                                   "slower path: "), lines
+    assert not static.use_graphs and static.error and static.error[:40] in lines[0]
+    assert [[c.tokens for c in turn] for turn in fallen] == \
+        [[c.tokens for c in turn] for turn in eager]
+    host = SimpleNamespace(static=static, speed=SpeedSettings(cuda_graphs=True))
+    assert speed_metrics(host) == {"speed/cuda_graphs": 0.0}
+
+
+def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> None:
+    """A compiled layer step that raises (a compiler missing or failing) is replaced by the
+    eager step once, with one RuntimeWarning; the samples are the eager ones."""
+    import warnings
+
+    from workbench.policy.fused import layer_step
+    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.session.host import speed_metrics
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor: no C compiler")
+
+    prompts = _prompts(small)
+    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=False,
+                                fused=True)
+    static.layer_step = broken
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        fallen = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+    lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    assert lines == ["generator.compile_decode fell back to the slower path: "
+                     "RuntimeError: inductor: no C compiler"]
+    assert static.layer_step is layer_step
+    assert [[c.tokens for c in turn] for turn in fallen] == \
+        [[c.tokens for c in turn] for turn in eager]
+    host = SimpleNamespace(static=static, speed=SpeedSettings(cuda_graphs=True,
+                                                               compile_decode=True))
+    assert speed_metrics(host) == {"speed/cuda_graphs": 0.0, "speed/compile_decode": 0.0}
 
 
 def test_fused_weights_follow_the_sampler_version(small) -> None:

@@ -77,7 +77,7 @@ def test_core_imports_without_optional_packages() -> None:
         "    sys.modules[m] = None\n"
         "import workbench, workbench.envs, workbench.model, workbench.policy, workbench.rl\n"
         "import workbench.storage, workbench.registry, workbench.serve, workbench.cli\n"
-        "from workbench._deps import require\n"
+        "from workbench.deps import require\n"
         "try:\n    require('ray')\nexcept ImportError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

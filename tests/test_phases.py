@@ -24,7 +24,7 @@ from workbench.rl.phases import (
     score,
     update,
 )
-from workbench.rl.rollout import oracle_policy
+from workbench.rl.rollout import oracle_policy, play_episodes
 from workbench.rl.sft import scripted_stream
 from workbench.session import (
     AdamParams,
@@ -322,7 +322,8 @@ class ScriptedSampler:
     def __init__(self) -> None:
         self.calls: list[tuple[int, SamplingParams, int]] = []
 
-    def rollout(self, config, states, n, params, seed) -> Future:
+    def play(self, loop, config, states, n, params, seed) -> Future:
+        assert loop is play_episodes  # the loop phases.rollout hands the session
         self.calls.append((n, params, seed))
         return _done(play_scripted(oracle_policy, config, states, n, seed))
 

@@ -48,12 +48,13 @@ def test_the_name_resolves_to_the_cached_build(tiny_sft_dir: Path, workbench_cac
 
 
 def test_first_grpo_step_from_it_has_reward_variance(tiny_sft_dir: Path, tmp_path: Path) -> None:
+    from workbench.opener import open_session, session_spec
     from workbench.rl import phases
-    from workbench.rl.train import open_session, step_mazes
+    from workbench.rl.schedule import step_mazes
 
     config = apply_overrides(PRESETS["tiny"], ["trainer.train_batch_size=4",
                                                "generator.n_samples_per_prompt=4"])
-    session = open_session(config, tmp_path)
+    session = open_session(session_spec(config, tmp_path))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
         from workbench.policy import SamplingParams

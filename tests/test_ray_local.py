@@ -32,11 +32,19 @@ from workbench.envs import MazeConfig, eval_set
 from workbench.model import LoraSettings
 from workbench.policy import SamplingParams
 from workbench.rl.phases import global_weights
+from workbench.rl.rollout import play_episodes
 from workbench.rl.train import train
 from workbench.run import read_metrics
-from workbench.session import AdamParams, LossConfig, create_session, datum_from_stream
-from workbench.session.gpu import SpeedSettings
-from workbench.session.inprocess import _snapshot
+from workbench.session import (
+    AdamParams,
+    ClusterSpec,
+    LossConfig,
+    SessionSpec,
+    SpeedSettings,
+    create_session,
+    datum_from_stream,
+)
+from workbench.session.host import snapshot
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="needs the ray extra (pip install 'workbench[ray]')")
@@ -155,6 +163,36 @@ def test_step_metrics_reach_rays_metrics_endpoint(local_ray, ray_run: dict) -> N
     assert seen == want
 
 
+def test_replay_eval_and_sft_on_ray_open_the_run_spec(ray_run: dict, tmp_path: Path) -> None:
+    """Replay, eval and SFT of a Ray run open Ray sessions from the run's own spec (cluster,
+    speed, device included); the replayed update is exact."""
+    import json
+    from dataclasses import replace
+
+    from workbench.config import from_dict
+    from workbench.opener import read_spec
+    from workbench.rl.eval_model import evaluate_model
+    from workbench.rl.replay import replay
+    from workbench.rl.sft import run_sft
+
+    run_dir = ray_run["run_dir"]
+    config = from_dict(json.loads((run_dir / "config.json").read_text()))
+    spec = read_spec(run_dir)
+    assert (spec.cluster.address, spec.cluster.colocate_all) == ("local", False)
+    result = replay(run_dir, 2)
+    assert result.exact, (result.logged, result.replayed)
+    assert read_spec(run_dir / "replay") == replace(spec, workdir=str(run_dir / "replay"))
+    record = evaluate_model(config, log=lambda *_: None)
+    assert [r.n_mazes for r in record.results] == [2]
+    [workdir] = [p for p in run_dir.iterdir() if p.name.startswith("eval-")]
+    assert read_spec(workdir) == replace(spec, workdir=str(workdir))
+    sft = replace(config, run_dir=str(tmp_path / "sft"),
+                  sft=replace(config.sft, steps=1, batch_size=1, full_finetune=False))
+    assert (run_sft(sft, log=lambda *_: None) / "model.safetensors").is_file()
+    assert read_spec(tmp_path / "sft") == replace(
+        spec, workdir=str(tmp_path / "sft"), cluster=replace(spec.cluster, num_engines=0))
+
+
 def _wait_until_dead(name: str) -> None:
     import ray
 
@@ -201,8 +239,10 @@ def test_killed_actors_are_replaced_and_the_run_ends_as_undisturbed(
 @pytest.fixture(scope="module")
 def dp_session(local_ray, sft_model: str, tmp_path_factory: pytest.TempPathFactory):
     """2 trainer workers + 2 sampler engines, colocated (a quarter CPU each)."""
-    session = create_ray_session(sft_model, LORA, tmp_path_factory.mktemp("dp"), num_workers=2,
-                                 num_engines=2, colocate_all=True, cpus_per_actor=0.25)
+    cluster = ClusterSpec("local", num_workers=2, num_engines=2, colocate_all=True,
+                          cpus_per_actor=0.25)
+    session = create_ray_session(SessionSpec(sft_model, LORA, str(tmp_path_factory.mktemp("dp")),
+                                             cluster=cluster))
     yield session
     session.close()
 
@@ -210,7 +250,7 @@ def dp_session(local_ray, sft_model: str, tmp_path_factory: pytest.TempPathFacto
 @pytest.fixture(scope="module")
 def ref_session(sft_model: str, tmp_path_factory: pytest.TempPathFactory):
     """The same model in-process: one host, the reference for the Ray results."""
-    session = create_session(sft_model, LORA, workdir=tmp_path_factory.mktemp("ref"))
+    session = create_session(SessionSpec(sft_model, LORA, str(tmp_path_factory.mktemp("ref"))))
     yield session
     session.close()
 
@@ -220,11 +260,11 @@ def rollouts(dp_session, ref_session) -> tuple[list, list]:
     """3 mazes x 2 episodes from the two engines, and from in-process (before any update)."""
     states = eval_set(5, 3)
     sampler = dp_session.training_client.save_weights_and_get_sampling_client()
-    got = sampler.rollout(MAZE, states, 2, PARAMS, seed=7).result()
+    got = sampler.play(play_episodes, MAZE, states, 2, PARAMS, seed=7).result()
     ref = ref_session.training_client.save_weights_and_get_sampling_client()
     # engine 0 plays mazes 0-1 with seed 7, engine 1 maze 2 with chunk_seed(7, 1)
-    expected = ref.rollout(MAZE, states[:2], 2, PARAMS, 7).result() + \
-        ref.rollout(MAZE, states[2:], 2, PARAMS, chunk_seed(7, 1)).result()
+    expected = ref.play(play_episodes, MAZE, states[:2], 2, PARAMS, 7).result() + \
+        ref.play(play_episodes, MAZE, states[2:], 2, PARAMS, chunk_seed(7, 1)).result()
     return got, expected
 
 
@@ -248,6 +288,21 @@ def test_rollout_spreads_mazes_over_engines_in_maze_order(dp_session, rollouts) 
     assert view(got) == view(expected)
     sync = dp_session.syncs[0]
     assert (sync.version, sync.engines) == (0, 2) and sync.bytes > 0 and sync.seconds > 0
+
+
+def test_a_second_task_plays_on_the_engines_unchanged(dp_session, ref_session, rollouts) -> None:
+    """The room (envs/room.py) through the Ray engines: the same episodes as in-process, with
+    no code for it in the session, the actors or the loop."""
+    from workbench.envs.room import RoomConfig, room_states
+
+    task, states = RoomConfig(size=5, max_turns=3), room_states(5, 0, 3)
+    got = dp_session.training_client.save_weights_and_get_sampling_client().play(
+        play_episodes, task, states, 2, PARAMS, 5).result()
+    ref = ref_session.training_client.save_weights_and_get_sampling_client()
+    expected = ref.play(play_episodes, task, states[:2], 2, PARAMS, 5).result() + \
+        ref.play(play_episodes, task, states[2:], 2, PARAMS, chunk_seed(5, 1)).result()
+    assert [[(ep.init_state, ep.replies, ep.positions) for ep in g] for g in got] == \
+        [[(ep.init_state, ep.replies, ep.positions) for ep in g] for g in expected]
 
 
 def test_two_workers_make_the_same_update_as_one(dp_session, ref_session, rollouts) -> None:
@@ -278,7 +333,7 @@ def test_two_workers_make_the_same_update_as_one(dp_session, ref_session, rollou
         assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
     assert opt2.grad_norm == pytest.approx(opt1.grad_norm, rel=1e-5)  # the all-reduced gradient
     rank0, rank1 = ray.get([w.snapshot.remote() for w in dp_session.trainers])
-    one = _snapshot(ref_session.host)
+    one = snapshot(ref_session.host)
     assert rank0[0] == rank1[0] == 1  # weights version after one step
     assert all(torch.equal(rank0[1][k], rank1[1][k]) for k in one), "replicas diverged"
     moved = [k for k in one if "lora_B" in k and bool(one[k].abs().max() > 0)]
@@ -293,12 +348,15 @@ def test_actors_get_the_threads_and_trainer_switches_asked_for(local_ray, tiny_d
     import ray
 
     speed = SpeedSettings(gradient_checkpointing=True, loss_tokens_only=True)
-    session = create_ray_session(str(tiny_dir), LORA, tmp_path, num_workers=1, num_engines=1,
-                                 colocate_all=True, threads_per_actor=2, speed=speed)
+    cluster = ClusterSpec("local", num_workers=1, num_engines=1, colocate_all=True,
+                          threads_per_actor=2)
+    session = create_ray_session(SessionSpec(str(tiny_dir), LORA, str(tmp_path), speed=speed,
+                                             cluster=cluster))
     try:
         actors = session.trainers + session.engines
         assert ray.get([a.threads.remote() for a in actors]) == [2, 2]  # Ray's default: 1
-        switches = operator.attrgetter("loss_tokens_only", "lm.model.is_gradient_checkpointing")
+        switches = operator.attrgetter("speed.loss_tokens_only",
+                                       "lm.model.is_gradient_checkpointing")
         assert ray.get(session.trainers[0].call.remote(switches)) == (True, True)
     finally:
         session.close()

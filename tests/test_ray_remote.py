@@ -30,7 +30,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.cluster.jobs import TERMINAL
+from workbench.jobs import TERMINAL
 from workbench.run import read_metrics
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,

@@ -8,7 +8,7 @@ import pytest
 
 from workbench.config import PRESETS, apply_overrides
 from workbench.envs import EVAL_SEEDS
-from workbench.rl.train import learning_rate, step_mazes, step_seed
+from workbench.rl.schedule import learning_rate, step_mazes, step_seed
 
 
 def test_constant_schedule() -> None:

@@ -17,7 +17,7 @@ from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
 from workbench.model import LoraSettings, TinySpec, build_tiny, load_model
 from workbench.policy import SamplingParams, Stream, append_reply, chat_format, start_stream
 from workbench.policy.forward import forward_logits, make_batch
-from workbench.rl.rollout import observe
+from workbench.rl.rollout import observe, play_episodes
 from workbench.rl.sft import scripted_stream
 from workbench.session import (
     AdamParams,
@@ -26,13 +26,14 @@ from workbench.session import (
     LossConfig,
     SampleResponse,
     Session,
+    SessionSpec,
     checkpoint,
     create_session,
     create_session_from_state,
     datum_from_stream,
     is_complete,
 )
-from workbench.session.inprocess import KEEP_VERSIONS
+from workbench.session.host import KEEP_VERSIONS
 
 LORA = LoraSettings(rank=4, alpha=8)
 SMALL = MazeConfig(size=5, max_turns=3)  # one image token per observation (merge 7)
@@ -47,7 +48,8 @@ def make_session(tiny_dir: Path, tmp_path: Path) -> Iterator[Callable[..., Sessi
 
     def make(name: str = "s", lora: LoraSettings | None = LORA,
              model: Path | None = None) -> Session:
-        session = create_session(str(model or tiny_dir), lora, workdir=tmp_path / name)
+        session = create_session(SessionSpec(str(model or tiny_dir), lora,
+                                             workdir=str(tmp_path / name)))
         made.append(session)
         return session
 
@@ -174,7 +176,7 @@ def test_trainer_reproduces_sampler_logprobs(make_session, temperature: float) -
     tc = session.training_client
     sampler = tc.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=2, temperature=temperature)
-    episodes = sampler.rollout(SMALL, eval_set(5, 2), 2, params, seed=0).result()
+    episodes = sampler.play(play_episodes, SMALL, eval_set(5, 2), 2, params, seed=0).result()
     assert [len(g) for g in episodes] == [2, 2]
     streams = [ep.stream for group in episodes for ep in group]
     out = tc.forward([datum_from_stream(s) for s in streams], "importance_sampling",
@@ -194,7 +196,7 @@ def test_sampling_client_is_pinned_to_its_weights_version(make_session) -> None:
     session = make_session()
     tc = session.training_client
     old = tc.save_weights_and_get_sampling_client()
-    episodes = old.rollout(SMALL, eval_set(5, 2), 2, PARAMS, seed=0).result()
+    episodes = old.play(play_episodes, SMALL, eval_set(5, 2), 2, PARAMS, seed=0).result()
     streams = [ep.stream for group in episodes for ep in group]
     datums = _rl_datums(episodes)
     _step(session, datums, "importance_sampling")
@@ -204,7 +206,7 @@ def test_sampling_client_is_pinned_to_its_weights_version(make_session) -> None:
     # the old client still samples and scores with the old weights
     for stream in streams:
         assert _masked_max_diff(stream, old.compute_logprobs(stream).result()) < 1e-4
-    again = old.rollout(SMALL, eval_set(5, 2), 2, PARAMS, seed=0).result()
+    again = old.play(play_episodes, SMALL, eval_set(5, 2), 2, PARAMS, seed=0).result()
     assert [ep.stream.tokens_T for g in again for ep in g] == [s.tokens_T for s in streams]
     assert [ep.replies for g in again for ep in g] == [ep.replies for g in episodes for ep in g]
 
@@ -229,7 +231,7 @@ def test_old_sampler_versions_are_dropped(make_session, oracle_datums) -> None:
         _step(session, oracle_datums)
         clients.append(tc.save_weights_and_get_sampling_client())
     assert [c.version for c in clients] == list(range(KEEP_VERSIONS + 3))
-    kept = sorted(v for v in session.host.versions if v >= 0)
+    kept = sorted(session.host.versions)
     assert kept == [c.version for c in clients[-(KEEP_VERSIONS + 1):]]
     with pytest.raises(KeyError, match="dropped"):
         clients[0].compute_logprobs(stream).result()
@@ -332,8 +334,9 @@ def test_state_round_trip_restores_weights_and_optimizer(make_session, oracle_da
     assert meta["optimizer_steps"] == 2 and meta["base_weights_sha256"] == a.host.base_hash
     assert meta["lora"]["rank"] == 4 and meta["lora"]["alpha"] == 8
 
-    b = create_session_from_state(path, workdir=tmp_path / "b")
-    c = create_session_from_state(path, with_optimizer=False, workdir=tmp_path / "c")
+    b = create_session_from_state(path, spec=SessionSpec(workdir=str(tmp_path / "b")))
+    c = create_session_from_state(path, with_optimizer=False,
+                                  spec=SessionSpec(workdir=str(tmp_path / "c")))
     for s in (b, c):
         assert s.host.lora == LORA and s.host.opt_steps == 2
     loss_a = a.training_client.forward(oracle_datums).result().loss
@@ -364,7 +367,7 @@ def test_save_state_after_sampling_saves_the_trainers_weights(make_session, orac
     trained = _trainable(a)
     old.compute_logprobs(oracle_datums[0].stream).result()  # version 0 now in the model
     path = a.training_client.save_state("after").result()
-    b = create_session_from_state(path, workdir=tmp_path / "b")
+    b = create_session_from_state(path, spec=SessionSpec(workdir=str(tmp_path / "b")))
     assert all(torch.equal(trained[n], t) for n, t in _trainable(b).items())
     loss = a.training_client.forward(oracle_datums).result().loss
     assert b.training_client.forward(oracle_datums).result().loss == loss

@@ -113,7 +113,8 @@ def test_run_dir_on_s3_is_mirrored_and_resumed_from_s3(
     train(config, log=lambda *_: None)
     store = storage.open_store(run_dir, s3_server)
     assert storage.list_dir(store) == ["checkpoints", "config.json", "eval", "exports",
-                                       storage.LATEST, "manifest.json", "metrics.jsonl", "steps"]
+                                       storage.LATEST, "manifest.json", "metrics.jsonl",
+                                       "session_spec.json", "steps"]
     assert storage.list_dir(store, "checkpoints") == [f"global_step_{s}" for s in (0, 1, 2)]
     assert all(storage.folder_complete(store, f"checkpoints/global_step_{s}") for s in (0, 1, 2))
     assert storage.list_dir(store, "exports") == ["global_step_1", "global_step_2"]

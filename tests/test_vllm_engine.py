@@ -42,7 +42,8 @@ from workbench.policy import (
     encode_image,
     start_stream,
 )
-from workbench.policy.engine import EngineSettings, TransformersEngine, make_engine
+from workbench.policy.engine import EngineSettings, TransformersEngine
+from workbench.policy.engines import make_engine
 from workbench.policy.vllm_engine import (
     BAN_BIAS,
     VLLMEngine,
@@ -53,8 +54,8 @@ from workbench.policy.vllm_engine import (
     to_completion,
     vllm_prompt,
 )
-from workbench.rl.rollout import observe
-from workbench.session import Session, create_session, datum_from_stream
+from workbench.rl.rollout import observe, play_episodes
+from workbench.session import Session, SessionSpec, create_session, datum_from_stream
 from workbench.session.types import AdamParams
 
 LORA = LoraSettings(rank=8, alpha=16)
@@ -151,8 +152,8 @@ def fake_vllm(tiny, monkeypatch: pytest.MonkeyPatch) -> FakeVLLM:
 @pytest.fixture
 def vllm_session(fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path) -> Iterator[Session]:
     """An in-process session whose sampler engine is the vLLM engine (over the fake)."""
-    session = create_session(str(tiny_dir), LORA, workdir=tmp_path / "s",
-                             engine=EngineSettings("vllm", gpu_memory_utilization=0.3))
+    session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "s"),
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
     yield session
     session.close()
 
@@ -306,12 +307,12 @@ def test_ray_sampler_engine_installs_versions_as_adapters(fake_vllm: FakeVLLM, t
     """The Ray SamplerEngine actor's class (used here without Ray) with generator.engine=vllm:
     a version sent by the trainer is exported and sampled by its LoRARequest."""
     from workbench.cluster.workers import SamplerEngine
-    from workbench.session.inprocess import _snapshot
+    from workbench.session.host import snapshot
 
-    actor = SamplerEngine(str(tiny_dir), LORA, str(tmp_path / "e"), torch.float32, "cpu", 0.3,
-                          "vllm")
+    actor = SamplerEngine(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "e"),
+                                      engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
     assert isinstance(actor.host.engine, VLLMEngine)
-    assert actor.install((3, _snapshot(actor.host))) == 3
+    assert actor.install((3, snapshot(actor.host))) == 3
     actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
     lora = fake_vllm.calls[-1]["lora"]
     assert (lora.lora_name, lora.lora_int_id) == ("v3", 4)
@@ -333,7 +334,8 @@ def test_rollout_runs_the_multi_turn_loop_on_the_engine(vllm_session: Session,
     fmt = chat_format(tiny.processor)
     sampler = vllm_session.training_client.save_weights_and_get_sampling_client()
     states = eval_set(5, 2)
-    episodes_P_G = sampler.rollout(SMALL, states, 2, SamplingParams(max_tokens=3), 0).result()
+    episodes_P_G = sampler.play(play_episodes, SMALL, states, 2, SamplingParams(max_tokens=3),
+                                0).result()
     assert [len(g) for g in episodes_P_G] == [2, 2]
     assert len(fake_vllm.calls) == len(SCRIPT)  # one generate per turn, all rows batched
     for call in fake_vllm.calls:
@@ -375,12 +377,13 @@ def _real_vllm() -> bool:
 def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path) -> None:
     """On a GPU with vllm: a rollout through vLLM, then the trainer re-scores the sampled tokens;
     the sampler's log-probs must agree (the request glue and the logprobs_mode are right)."""
-    session = create_session(str(tiny_dir), LORA, workdir=tmp_path / "gpu", device="cuda",
-                             engine=EngineSettings("vllm", gpu_memory_utilization=0.3))
+    session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
+                                         device="cuda",
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
-        episodes = sampler.rollout(SMALL, eval_set(5, 2), 2, SamplingParams(max_tokens=3),
-                                   0).result()
+        episodes = sampler.play(play_episodes, SMALL, eval_set(5, 2), 2,
+                                SamplingParams(max_tokens=3), 0).result()
         for ep in (e for group in episodes for e in group):
             rescored = sampler.compute_logprobs(ep.stream).result()
             diffs = [abs(a - b) for a, b, m in

@@ -2,7 +2,7 @@
 
 Layers (data flows top to bottom): `envs` (the maze), `model` (Qwen3-VL + LoRA, the tiny
 default), `policy` (conversation streams and a batched sampler with log-probabilities).
-Optional layers import their extras lazily; `workbench._deps.require` names the extra to install.
+Optional layers import their extras lazily; `workbench.deps.require` names the extra to install.
 """
 
 __version__ = "0.1.0"

@@ -17,13 +17,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from pathlib import Path
 
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys
-from workbench.model.lora import LoraSettings
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.storage import StorageError
 
@@ -47,34 +44,11 @@ def _sft(args: argparse.Namespace) -> None:
 
 
 def _eval(args: argparse.Namespace) -> None:
-    from workbench.envs import eval_set
-    from workbench.registry import check_base, fetch_adapter, read_adapter_meta
     from workbench.rl import format_table
-    from workbench.rl.phases import evaluate
-    from workbench.session import create_session
+    from workbench.rl.eval_model import evaluate_model
 
-    config = _config(args)
-    adapter = fetch_adapter(args.adapter, config.storage.endpoint_url) if args.adapter else None
-    lora = adapter_settings(adapter) if adapter else None
-    session = create_session(config.model.name, lora, workdir=config.run_dir)
-    if adapter:  # s3://... was downloaded to the cache; another base is refused by its hash
-        check_base(read_adapter_meta(adapter), session.describe()["base_weights_sha256"],
-                   config.model.name, args.adapter)
-        session.training_client.load_adapter(adapter).result()
-    sampler = session.training_client.save_weights_and_get_sampling_client()
-    record = evaluate(sampler, config.maze, eval_set(config.env.size, config.eval.n_mazes),
-                      args.adapter or config.model.name, config.eval.greedy,
-                      config.eval.sampled_passes, config.eval.temperature,
-                      config.generator.max_tokens)
+    record = evaluate_model(_config(args), adapter=args.adapter or "")
     print(format_table(record.results))
-
-
-def adapter_settings(folder: str) -> LoraSettings:
-    """LoRA rank / alpha (and whether it adapts the vision tower) read from an adapter
-    folder's adapter_config.json."""
-    cfg = json.loads((Path(folder) / "adapter_config.json").read_text())
-    return LoraSettings(rank=int(cfg["r"]), alpha=int(cfg["lora_alpha"]),
-                        vision="visual" in str(cfg["target_modules"]))
 
 
 def _replay(args: argparse.Namespace) -> None:
@@ -95,7 +69,7 @@ def _demo(args: argparse.Namespace) -> None:
 
 
 def _submit(args: argparse.Namespace) -> None:
-    from workbench.cluster.jobs import follow_logs, submit_run
+    from workbench.jobs import follow_logs, submit_run
 
     _config(args)  # bad keys fail here, before anything is submitted
     env = dict(item.split("=", 1) for item in args.env)
@@ -109,7 +83,7 @@ def _submit(args: argparse.Namespace) -> None:
 
 
 def _job(args: argparse.Namespace) -> None:
-    from workbench.cluster import jobs
+    from workbench import jobs
 
     if args.command == "status":
         print(jobs.job_status(args.job_id, args.address))

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
-from workbench.envs import MazeConfig
+from workbench.envs import GRAMMARS, REWARDS, MazeConfig
+from workbench.envs.env import OBSERVATIONS
+from workbench.policy.engines import ENGINES
+from workbench.rl.advantages import ADVANTAGES
+from workbench.session.losses import LOSSES, REDUCTIONS
 
 
 class ConfigError(ValueError):
@@ -161,15 +165,31 @@ class TrainerConfig:
     update_epochs: int = 1
     """Passes over each rollout batch (SkyRL: update_epochs_per_batch)."""
     ckpt_interval: int = 20
-    """Full checkpoint every N steps (0 = never)."""
+    """Full checkpoint (weights, optimiser, step, RNG states: what resume and replay start
+    from) of step 0 before training and after every step that is a multiple of N; the last step
+    only when it is one. 0 = never, step 0 included: such a run can be neither resumed nor
+    replayed."""
     hf_save_interval: int = 20
-    """PEFT adapter export every N steps (0 = never)."""
+    """PEFT adapter export (exports/global_step_N) after every step that is a multiple of N and
+    after the last step. 0 = never, the last step included."""
     eval_interval: int = 10
-    """Evaluate on the fixed set every N steps (0 = only before and after)."""
+    """Evaluation on the fixed set at step 0 (before training), after every step that is a
+    multiple of N and after the last step. 0 = only at step 0 and after the last step."""
     resume_mode: str = "latest"
-    """latest | none | from_path."""
+    """latest: continue from the newest intact checkpoint in run_dir (a damaged one is skipped
+    for the one before); a fresh start when run_dir is empty or missing; refused when it holds
+    a run but no intact checkpoint, unless trainer.overwrite. none: a new run; refused when
+    run_dir (or its s3:// prefix) holds anything, unless trainer.overwrite. from_path: continue
+    from the checkpoint at trainer.resume_path. Resuming refuses a config that differs from the
+    checkpoint's in any key but total_steps, the intervals, keep_step_records, eval.*,
+    cluster.*, storage.*, sft.*, run_dir and the memory settings (rl/checkpoints.RESUMABLE)."""
     resume_path: str = ""
     """Checkpoint folder for resume_mode=from_path."""
+    overwrite: bool = False
+    """Allow this start to delete what run_dir (or its s3:// prefix) holds, where it would
+    otherwise be refused (resume_mode=none on a folder that is not empty; latest with no intact
+    checkpoint; from_path into another run's folder). What is removed is listed in one line
+    first. With resume_mode=latest it acts only when no intact checkpoint is left."""
     seed: int = 0
     """Seed of maze order and sampling."""
     keep_step_records: bool = True
@@ -232,6 +252,9 @@ class SFTConfig:
     """Train every weight (tiny default) instead of a LoRA adapter."""
     noise: float = 0.0
     """Chance of a random detour per turn (in context, not trained on): recovery examples."""
+    overwrite: bool = False
+    """Allow `sft` to delete a run_dir that is not empty (what is removed is listed in one line
+    first); without it such a run_dir is refused and nothing is deleted."""
 
 
 @dataclass(frozen=True)
@@ -293,17 +316,19 @@ class RunConfig:
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
-    "env.grammar": ("keyword", "tuple"),
-    "env.reward": ("reach_goal", "stop_on_goal"),
-    "env.observation": ("image", "ascii"),
+    "env.grammar": tuple(GRAMMARS),
+    "env.reward": tuple(REWARDS),
+    "env.observation": OBSERVATIONS,
     "trainer.lr_schedule": ("constant", "warmup_cosine"),
-    "trainer.loss": ("ppo", "importance_sampling", "cispo", "cross_entropy"),
-    "trainer.loss_reduction": ("sum", "token_mean", "sequence_mean"),
-    "trainer.advantage": ("grpo", "dr_grpo", "rloo"),
+    "trainer.loss": tuple(LOSSES),
+    "trainer.loss_reduction": tuple(REDUCTIONS),
+    "trainer.advantage": tuple(ADVANTAGES),
     "trainer.resume_mode": ("latest", "none", "from_path"),
     "trainer.strategy": ("ddp", "fsdp"),
-    "generator.engine": ("transformers", "vllm"),
+    "generator.engine": tuple(ENGINES),
 }
+"""Keys with a fixed set of values; those of a registry are read from it (grammars, rewards,
+observations, losses, reductions, advantage estimators, sampler engines)."""
 
 
 def _sections(config: RunConfig) -> dict[str, Any]:
@@ -312,7 +337,7 @@ def _sections(config: RunConfig) -> dict[str, Any]:
 
 def flat_keys(config: RunConfig) -> dict[str, Any]:
     """Every dotted key with its current value."""
-    out = {}
+    out: dict[str, Any] = {}
     for name, value in _sections(config).items():
         if dataclasses.is_dataclass(value):
             out |= {f"{name}.{f.name}": getattr(value, f.name) for f in dataclasses.fields(value)}
@@ -418,12 +443,13 @@ def _validate_cluster(config: RunConfig) -> None:
 def field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of a dataclass (read from its source), on one line."""
     tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body
+    body = typing.cast(ast.ClassDef, tree.body[0]).body  # getsource(cls): the class alone
     docs = {}
     for node, nxt in zip(body, body[1:]):
         if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) \
                 and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())  # one line
+            target = typing.cast(ast.Name, node.target)  # a field: `name: type`
+            docs[target.id] = " ".join(nxt.value.value.split())  # one line
     return docs
 
 
@@ -434,7 +460,8 @@ def describe_keys(config: RunConfig) -> str:
         if not dataclasses.is_dataclass(sub):
             lines.append(f"  {name}={sub}")
             continue
-        docs = field_docs(type(sub))
+        cls: type = type(sub)  # `type`, not type[DataclassInstance]: mypy sees that as unhashable
+        docs = field_docs(cls)
         for f in dataclasses.fields(sub):
             lines.append(f"  {name}.{f.name}={getattr(sub, f.name)}  {docs.get(f.name, '')}")
     return "\n".join(lines)

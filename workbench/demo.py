@@ -24,6 +24,7 @@ import json
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from workbench.config import PRESETS, RunConfig, apply_overrides
 from workbench.envs import eval_set
@@ -84,12 +85,15 @@ def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = (
     t0 = time.perf_counter()
     base = baselines(config)
     print(format_table(base))
-    start_model = resolve_model_path(config.model.name)  # builds tiny-sft once, and says so
+    # builds tiny-sft once, and says so
+    start_model: str | Path = resolve_model_path(config.model.name)
     if long:
         start_model = more_sft(long_sft_config(out, overrides))
     t_start_model = time.perf_counter() - t0
     grpo_cfg = replace(config, model=replace(config.model, name=str(start_model)),
-                       trainer=replace(config.trainer, resume_mode="none"))
+                       # the demo's own folder: a second `make demo` replaces the first and
+                       # lists what it removes (trainer.overwrite)
+                       trainer=replace(config.trainer, resume_mode="none", overwrite=True))
     trainer = train(grpo_cfg)
     evals = sorted((out / "grpo" / "eval").glob("step_*.json"))
     before = [EvalResult(**_tuple(r)) for r in json.loads(evals[0].read_text())["results"]]
@@ -100,10 +104,11 @@ def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = (
     print(table)
     title = "GRPO from tiny-sft" + (" + more SFT" if long else "")
     _pictures(out, trainer, title)
-    summary = {"seconds_total": time.perf_counter() - t0, "seconds_start_model": t_start_model,
-               "start_model": str(start_model), "table": table,
-               "baselines": [r.__dict__ for r in base],
-               "sft": [r.__dict__ for r in before], "grpo": [r.__dict__ for r in after]}
+    summary: dict[str, Any] = {
+        "seconds_total": time.perf_counter() - t0, "seconds_start_model": t_start_model,
+        "start_model": str(start_model), "table": table,
+        "baselines": [r.__dict__ for r in base],
+        "sft": [r.__dict__ for r in before], "grpo": [r.__dict__ for r in after]}
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     print(f"total {summary['seconds_total'] / 60:.1f} min; wrote {out}/summary.json, "
           f"training.png, episodes.png")
@@ -113,7 +118,8 @@ def run_demo(out: str | Path, long: bool = False, overrides: tuple[str, ...] = (
 def long_sft_config(out: Path, overrides: tuple[str, ...] = ()) -> RunConfig:
     """--long's SFT stage: the demo's settings + LONG_SFT_OVERRIDES + overrides, into out/sft."""
     chosen = DEMO_OVERRIDES + LONG_SFT_OVERRIDES
-    return apply_overrides(PRESETS["tiny"], chosen + [f"run_dir={out / 'sft'}", *overrides])
+    return apply_overrides(PRESETS["tiny"], chosen + [f"run_dir={out / 'sft'}",
+                                                      "sft.overwrite=true", *overrides])
 
 
 def more_sft(config: RunConfig) -> Path:

@@ -37,8 +37,10 @@ def notebook_config(overrides: list[str], ray_address: str = "", run_dir: str | 
 def policy_model(base: str, sft_steps: int, config: RunConfig, out_dir: str | Path = "",
                  log: Any = print) -> str:
     """`base` itself when sft_steps is 0; else `base` after a short oracle SFT (sft.* settings
-    of `config`, sft_steps steps) written to <out_dir or run_dir>/sft/model. A policy that never
-    emits a valid move gets no reward signal, so most notebooks start from such a model."""
+    of `config`, sft_steps steps) written to <out_dir or run_dir>/sft/model, replacing an earlier
+    one there (sft.overwrite: the notebook's own scratch folder; the removal is listed in one
+    line). A policy that never emits a valid move gets no reward signal, so most notebooks start
+    from such a model."""
     if sft_steps <= 0:
         return base
     from dataclasses import replace
@@ -47,7 +49,7 @@ def policy_model(base: str, sft_steps: int, config: RunConfig, out_dir: str | Pa
 
     folder = Path(out_dir or config.run_dir) / "sft"
     sft = replace(config, model=replace(config.model, name=base),
-                  sft=replace(config.sft, steps=sft_steps), run_dir=str(folder))
+                  sft=replace(config.sft, steps=sft_steps, overwrite=True), run_dir=str(folder))
     return str(run_sft(sft, log=log))
 
 
@@ -106,7 +108,7 @@ def live_plot(run_dir: str | Path, done: Callable[[], bool], every_s: float = 1.
     timeout_s passes); returns the rows read last. Reads the file only: works on any run."""
     from IPython.display import clear_output, display
 
-    from workbench._deps import require
+    from workbench.deps import require
     from workbench.run import read_metrics
     from workbench.viz import plot_training
 
@@ -128,28 +130,10 @@ def live_plot(run_dir: str | Path, done: Callable[[], bool], every_s: float = 1.
 
 def evaluate_model(config: RunConfig, model: str, adapter: str | Path = "",
                    name: str = "policy") -> Any:
-    """Evaluate `model` (plus a PEFT adapter folder, if given) on config's fixed set, in a
-    session of its own (in-process or on Ray, as config.cluster.address says) -> EvalRecord.
-    Episodes are kept (without token streams) for galleries."""
-    from workbench.cli import adapter_settings
-    from workbench.envs import eval_set
-    from workbench.rl import phases
-    from workbench.rl.train import open_session
+    """`rl.eval_model.evaluate_model`, quietly (a notebook cell prints its own table)."""
+    from workbench.rl.eval_model import evaluate_model as evaluate
 
-    lora = adapter_settings(str(adapter)) if adapter else None
-    extra = [f"lora.rank={lora.rank}", f"lora.alpha={lora.alpha}",
-             f"lora.vision={lora.vision}"] if lora else []
-    cfg = apply_overrides(config, [f"model.name={model}", *extra])
-    session = open_session(cfg, Path(cfg.run_dir) / f"eval-{name}", log=lambda *_: None)
-    try:
-        if adapter:
-            session.training_client.load_adapter(str(adapter)).result()
-        sampler = session.training_client.save_weights_and_get_sampling_client()
-        e = cfg.eval
-        return phases.evaluate(sampler, cfg.maze, eval_set(cfg.env.size, e.n_mazes), name,
-                               e.greedy, e.sampled_passes, e.temperature, cfg.generator.max_tokens)
-    finally:
-        session.close()
+    return evaluate(config, model, adapter, name, log=lambda *_: None)
 
 
 def failure_table(records: dict[str, Any], mode: str = "greedy") -> dict[str, dict[str, int]]:

@@ -120,7 +120,7 @@ def save_step_record(folder: Path, episodes_P_G: list[list[Episode]], rewards_P_
     record = {"episodes_P_G": [[episode_summary(ep) for ep in g] for g in episodes_P_G],
               "rewards_P_G": rewards_P_G.tolist(), "advantages_P_G": advantages_P_G.tolist(),
               "datum_index": datum_index} | extra
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     for k, d in enumerate(datums):
         s = d.stream
         tensors |= {f"{k}.tokens": torch.tensor(s.tokens_T), f"{k}.mm_types": torch.tensor(

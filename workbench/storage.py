@@ -15,7 +15,10 @@ become `StorageError`s whose text is scrubbed of any key this process knows.
 A run directory at `run_dir=s3://...` is trained in a local working copy (`open_run_dir`);
 `mirror_run` uploads what is new after each step (checkpoints and exports as whole folders,
 metrics, eval results, step records, then the latest-checkpoint marker). Resuming from S3
-downloads the newest complete checkpoint first (plus config, manifest, metrics, eval results).
+downloads the newest intact checkpoint first (plus config, manifest, metrics, eval results).
+Nothing is deleted unasked: a start that would remove what a run folder or S3 prefix holds is
+refused (`RunFolderExists`, naming the key that allows it) unless that key is set, and then
+what is removed is listed in one line (`run_contents`, `clear_or_refuse`).
 """
 
 from __future__ import annotations
@@ -31,9 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from workbench._deps import require
+from workbench.deps import require
 
 COMPLETE = "COMPLETE"  # the same marker as workbench.session.checkpoint
 LATEST = "latest_checkpointed_iteration.txt"  # the same marker as workbench.run
@@ -47,6 +50,10 @@ class StorageError(RuntimeError):
 
 class IncompleteUpload(StorageError):
     """A folder without its COMPLETE marker: interrupted upload or write."""
+
+
+class RunFolderExists(StorageError):
+    """A start that would delete what a run folder (or S3 prefix) holds without being asked."""
 
 
 def is_s3(url: str | Path) -> bool:
@@ -303,6 +310,7 @@ def put_folder(store: Store, key: str, local: Path) -> None:
     local = Path(local)
     if not (local / COMPLETE).is_file():
         raise IncompleteUpload(f"{local} has no {COMPLETE} marker: not uploading a torn folder")
+    marker = _marker_base((local / COMPLETE).read_text())
     delete(store, f"{key}/{COMPLETE}")
     names = sorted(p.relative_to(local).as_posix() for p in local.rglob("*")
                    if p.is_file() and p != local / COMPLETE)  # nested markers go up as files
@@ -310,7 +318,14 @@ def put_folder(store: Store, key: str, local: Path) -> None:
         put_file(store, f"{key}/{name}", local / name)
     for stale in set(list_files(store, key)) - set(names):
         delete(store, f"{key}/{stale}")
-    write_bytes(store, f"{key}/{COMPLETE}", f"ok {uuid.uuid4().hex}\n".encode())
+    write_bytes(store, f"{key}/{COMPLETE}", f"{marker} upload={uuid.uuid4().hex}\n".encode())
+
+
+def _marker_base(text: str) -> str:
+    """A COMPLETE marker without upload tokens: "ok" and the manifest's "sha256=..." (kept, so
+    a downloaded folder still verifies; session.checkpoint.verify_folder)."""
+    kept = [t for t in text.split() if t.startswith("sha256=")]
+    return " ".join(["ok", *kept[:1]])
 
 
 def get_folder(store: Store, key: str, local: Path) -> Path:
@@ -376,38 +391,117 @@ def working_copy_path(run_dir: str, local_dir: str = "") -> Path:
     return cache_root() / "runs" / run_dir[5:].strip("/")
 
 
+STEP_FOLDER = re.compile(r"global_step_(\d+)")  # checkpoints/ and exports/ entries
+TEMPORARY = re.compile(r"\.state-tmp|\..+\.tmp-.*")  # interrupted atomic writes (our own)
+STARTUP_FILES = ("config.json", "manifest.json", "session_spec.json")
+"""What a start writes before its first checkpoint (kept out of the question "is there a run
+here" when resume_mode=latest finds nothing to resume)."""
+_COUNTED = {"checkpoints": "checkpoint", "exports": "export", "eval": "eval result",
+            "steps": "step record"}
+
+
+def run_contents(store: Store, ignore: tuple[str, ...] = ()) -> str:
+    """What a run folder or S3 prefix holds, in one phrase ("" when nothing): counts for
+    checkpoints, exports, eval results and step records, metrics.jsonl with its rows, then
+    every other name, e.g. "3 checkpoints, 2 exports, metrics.jsonl (12 rows), config.json".
+    Temporary folders of interrupted writes, a working copy's upload record and `ignore`d
+    names are left out."""
+    counted, others = {}, []
+    for name in list_dir(store):
+        if name in ignore or name == MIRROR_STATE or TEMPORARY.fullmatch(name):
+            continue
+        if name in _COUNTED:
+            n = len([e for e in list_dir(store, name) if not TEMPORARY.fullmatch(e)])
+            counted[name] = f"{n} {_COUNTED[name]}{'s' if n != 1 else ''}"
+        elif name == "metrics.jsonl":
+            rows = sum(1 for line in read_bytes(store, name).splitlines() if line.strip())
+            counted[name] = f"metrics.jsonl ({rows} row{'s' if rows != 1 else ''})"
+        else:
+            others.append(name)
+    order = [*_COUNTED, "metrics.jsonl"]
+    return ", ".join([counted[k] for k in order if k in counted] + others)
+
+
+def clear_or_refuse(where: str, contents: str, overwrite: bool, key: str, refusal: str,
+                    remove: Callable[[], None], log: Callable[[str], None] = print) -> None:
+    """Nothing to do when `contents` is ""; else raise RunFolderExists(refusal) unless
+    `overwrite`, in which case log "<key>=true: removing <where>: <contents>" and remove()."""
+    if not contents:
+        return
+    if not overwrite:
+        raise RunFolderExists(refusal)
+    log(f"{key}=true: removing {where}: {contents}")
+    remove()
+
+
 def open_run_dir(run_dir: str, resume_mode: str, endpoint_url: str = "", local_dir: str = "",
-                 log: Callable[[str], None] = print) -> Path:
-    """The local folder a run writes. A local run_dir is returned as it is. For s3://, a working
-    copy: resume_mode=latest rebuilds it from S3 (the newest complete checkpoint first);
-    resume_mode=none also clears the S3 prefix, as a local run folder would be cleared."""
+                 log: Callable[[str], None] = print, overwrite: bool = False) -> Path:
+    """The local folder a run writes. A local run_dir is returned as it is (the caller applies
+    the same rules to it). For s3://, a working copy (replaced on every start; a non-empty
+    folder that is not a working copy is refused): resume_mode=latest rebuilds it from S3, the
+    newest intact checkpoint first. An S3 prefix is never cleared unasked: resume_mode=none or
+    from_path on a prefix that holds anything, and latest when the prefix holds a run but no
+    intact checkpoint, raise RunFolderExists unless overwrite (trainer.overwrite), which lists
+    what is removed in one line and empties the prefix."""
     if not is_s3(run_dir):
         return Path(run_dir)
     store, local = open_store(run_dir, endpoint_url), working_copy_path(run_dir, local_dir)
     if not store.prefix:
         raise StorageError(f"run_dir={run_dir!r} is a whole bucket: use s3://bucket/prefix")
-    if local.exists():
-        shutil.rmtree(local)
-    local.mkdir(parents=True)
-    if resume_mode == "none":
-        delete(store, "")
-    elif resume_mode == "latest":
-        fetch_run(store, local, log)
+    if local.is_dir() and any(local.iterdir()) and not (local / MIRROR_STATE).is_file():
+        raise RunFolderExists(f"the working copy {local} of run_dir={store.root} is a folder "
+                              "that holds other files: choose an empty storage.local_dir")
+
+    def fresh_copy() -> None:
+        if local.exists():
+            shutil.rmtree(local)
+        local.mkdir(parents=True)
+        _save_mirror_state(local, {})  # marks the folder as a working copy
+
+    if resume_mode != "latest":
+        held = run_contents(store)
+        clear_or_refuse(store.root, held, overwrite, "trainer.overwrite", (
+            f"run_dir {store.root} is not empty ({held}) and trainer.resume_mode={resume_mode} "
+            "starts a new run there, which would delete it: add trainer.overwrite=true to remove "
+            "it, or choose another run_dir"
+            + (" (trainer.resume_mode=latest continues it)" if resume_mode == "none" else "")),
+            lambda: delete(store, ""), log)
+        fresh_copy()
+    else:
+        fresh_copy()
+        if fetch_run(store, local, log) is None:
+            held = run_contents(store, ignore=STARTUP_FILES)
+            clear_or_refuse(store.root, held, overwrite, "trainer.overwrite", (
+                f"run_dir {store.root} holds a run ({held}) but no intact checkpoint to resume "
+                "from (trainer.resume_mode=latest): add trainer.overwrite=true to remove it and "
+                "start over, or choose another run_dir"), lambda: delete(store, ""), log)
+            fresh_copy()
     log(f"run directory {store.root} (working copy {local})")
     return local
 
 
 def fetch_run(store: Store, local: Path, log: Callable[[str], None] = print) -> Path | None:
-    """Download what resuming needs: the newest complete checkpoint, then config, manifest,
-    metrics, the latest marker and eval results. Returns the checkpoint's local folder."""
+    """Download what resuming needs: the newest intact checkpoint (an incomplete one, or one
+    whose download fails its checksums, is reported in one line and skipped), then config,
+    manifest, metrics, the latest marker and eval results. Returns the checkpoint's local
+    folder (None: there is none)."""
+    from workbench.session.checkpoint import verify_folder
+
     newest = None
-    names = [n for n in list_dir(store, "checkpoints") if n.startswith("global_step_")]
-    for name in sorted(names, key=lambda n: int(n.rsplit("_", 1)[1]), reverse=True):
-        if folder_complete(store, f"checkpoints/{name}"):
-            newest = get_folder(store, f"checkpoints/{name}", local / "checkpoints" / name)
+    steps = {n: int(m[1]) for n in list_dir(store, "checkpoints")
+             if (m := STEP_FOLDER.fullmatch(n))}  # a stray name (global_step_4_old) is not one
+    for name in sorted(steps, key=cast(Callable[[str], int], steps.get), reverse=True):
+        if not folder_complete(store, f"checkpoints/{name}"):
+            log(f"skipping incomplete checkpoint {name} on {store.root}")
+            continue
+        folder = get_folder(store, f"checkpoints/{name}", local / "checkpoints" / name)
+        reason = verify_folder(folder)
+        if not reason:
+            newest = folder
             log(f"downloaded checkpoint {name} from {store.root}")
             break
-        log(f"skipping incomplete checkpoint {name} on {store.root}")
+        log(f"skipping checkpoint {name} on {store.root}: {reason}")
+        shutil.rmtree(folder)
     wanted = [n for n in ("config.json", "manifest.json", "metrics.jsonl", LATEST)
               if n in list_dir(store)] + [f"eval/{n}" for n in list_dir(store, "eval")]
     for name in wanted:

@@ -2,7 +2,7 @@
 
     from workbench.cluster import connect, create_ray_session
     connect("local", num_cpus=2)
-    session = create_ray_session("tiny", num_workers=2, num_engines=2, workdir="runs/x")
+    session = create_ray_session(SessionSpec("tiny", cluster=ClusterSpec("local", num_workers=2)))
 
 Everything here imports without Ray; Ray is imported when a function needs it (and a missing
 Ray raises an ImportError naming `pip install 'workbench[ray]'`).

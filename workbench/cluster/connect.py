@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench._deps import require
+from workbench.deps import require
 
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray's node address is 127.0.0.1
 CLIENT_RETRIES = 3  # Ray Client's per-client server sometimes dies as it starts (ray#63202)

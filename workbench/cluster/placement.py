@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from workbench._deps import require
+from workbench.deps import require
 
 COLOCATED_GPU_SHARE = 0.5  # a trainer and an engine in one bundle each take half its GPU
 
@@ -84,8 +84,10 @@ def actor_bundles(placement_group: Any) -> dict[str, int]:
     pg_id = placement_group.id.hex()
     actors = list_actors(filters=[("placement_group_id", "=", pg_id), ("state", "=", "ALIVE")],
                          detail=True)
-    out = {}
+    out: dict[str, int] = {}
     for actor in actors:
+        if actor.name is None or actor.required_resources is None:
+            continue  # Ray's state API types both as optional; an unnamed actor has no key
         for key in actor.required_resources:  # e.g. CPU_group_1_<pg id>: bundle 1
             parts = key.split("_")
             if len(parts) == 4 and parts[1] == "group" and parts[2].isdigit():

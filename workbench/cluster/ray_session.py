@@ -1,13 +1,16 @@
 """The training-session primitives on Ray actors: the in-process `Session` surface, scaled out.
 
     connect("local", num_cpus=2)
-    session = create_ray_session("tiny", LoraSettings(rank=8), "runs/x", num_workers=2,
-                                 num_engines=2)
+    session = create_ray_session(SessionSpec(model="tiny", lora=LoraSettings(rank=8),
+                                             cluster=ClusterSpec("local", num_workers=2,
+                                                                 num_engines=2)))
     tc = session.training_client
     fb = tc.forward_backward(datums, "ppo")      # a concurrent.futures.Future, as in-process
     opt = tc.optim_step(AdamParams(learning_rate=3e-4))
     sampler = tc.save_weights_and_get_sampling_client()   # weights reach every engine first
-    sampler.rollout(maze_cfg, states_P, 8, SamplingParams(), seed=0).result()
+    sampler.play(play_episodes, maze_cfg, states_P, 8, SamplingParams(), seed=0).result()
+
+Every actor builds its host from the same `SessionSpec` an in-process session is built from.
 
 Trainer calls go to every worker (forward_backward on a slice of the datums each, optim_step and
 load_state on all) or to rank 0 (save_state, exports: the replicas are identical). Each actor
@@ -28,9 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
-from workbench._deps import require
 from workbench.cluster.parallel import merge_outputs, padded_shards, split_B
 from workbench.cluster.placement import (
     PlacementPlan,
@@ -39,13 +40,12 @@ from workbench.cluster.placement import (
     plan_placement,
 )
 from workbench.cluster.workers import SamplerEngine, TrainerWorker
-from workbench.envs import InitState, MazeConfig
-from workbench.model import LoraSettings
+from workbench.deps import require
 from workbench.policy import SamplingParams, Stream
-from workbench.session import checkpoint
-from workbench.session.gpu import SpeedSettings
-from workbench.session.inprocess import describe_host
+from workbench.session import checkpoint, host
+from workbench.session.host import EpisodeLoop
 from workbench.session.losses import LossConfig
+from workbench.session.spec import SessionSpec
 from workbench.session.types import AdamParams, Datum
 
 
@@ -110,12 +110,13 @@ class RaySamplingClient:
         engine = self._session.engines[0]
         return engine.compute_logprobs.remote(self.version, prompt, temperature).future()
 
-    def rollout(self, config: MazeConfig, init_states_P: list[InitState], n: int,
-                params: SamplingParams, seed: int) -> Future:
-        """n episodes per maze, the mazes split over the engines -> Future[episodes_P_G]."""
+    def play(self, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
+             params: SamplingParams, seed: int) -> Future:
+        """loop(...) on the engines, the initial states split over them (chunk k sampled with
+        `chunk_seed(seed, k)`) -> Future[episodes_P_G]."""
         engines = self._session.engines
         chunks = split_B(list(init_states_P), len(engines))
-        refs = [e.rollout.remote(self.version, config, chunk, n, params, chunk_seed(seed, k))
+        refs = [e.play.remote(self.version, loop, task, chunk, n, params, chunk_seed(seed, k))
                 for k, (e, chunk) in enumerate(zip(engines, chunks)) if chunk]
         return gather(refs, lambda parts: [group for part in parts for group in part])
 
@@ -206,6 +207,16 @@ class RayTrainingClient:
         self._session.syncs.append(sync)
         return RaySamplingClient(self._session, sync)
 
+    def grad_squares(self, datums: list[Datum], loss_fn: str,
+                     loss_fn_config: LossConfig | None = None) -> Future:
+        """Squared gradient norm per parameter for these datums (every worker's slice, summed
+        over the workers), without stepping -> Future[dict[str, float]] (rank 0's)."""
+        cfg = loss_fn_config or LossConfig()
+        shards = padded_shards(datums, len(self._workers))[0] \
+            if self._session.strategy == "fsdp" else split_B(datums, len(self._workers))
+        refs = [w.grad_squares.remote(s, loss_fn, cfg) for w, s in zip(self._workers, shards)]
+        return gather(refs, lambda r: r[0])
+
     def get_processor(self) -> Any:
         """The policy's processor (tokenizer + image processor), fetched once from rank 0."""
         if self._processor is None:
@@ -221,19 +232,16 @@ def _processor_of(host: Any) -> Any:
     return host.lm.processor
 
 
-def _trainable_bytes(host: Any) -> int:
-    return sum(p.numel() * p.element_size() for p in host.trainable().values())
-
-
 class RaySession:
     """Trainer workers + sampler engines in one placement group; `close()` releases them."""
 
     def __init__(self, trainers: list, engines: list, placement_group: Any, plan: PlacementPlan,
-                 workdir: Path, strategy: str, info: dict[str, Any], names: list[str]) -> None:
+                 spec: SessionSpec, info: dict[str, Any], names: list[str]) -> None:
         ray = require("ray")
+        self.spec = spec
         self.trainers, self.engines, self.placement_group = trainers, engines, placement_group
-        self.plan, self.strategy, self.actor_names = plan, strategy, names
-        self._workdir, self._info = Path(workdir), info
+        self.plan, self.strategy, self.actor_names = plan, spec.cluster.strategy, names
+        self._workdir, self._info = Path(spec.workdir), info
         self.trainable_bytes = int(info.pop("trainable_bytes"))
         self.syncs: list[SyncRecord] = []  # every weight sync, newest last
         self.recoverable_errors = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
@@ -247,6 +255,13 @@ class RaySession:
         """Model source, base hash, LoRA settings, and the Ray layout (for manifests)."""
         return dict(self._info)
 
+    def speed_metrics(self) -> Future:
+        """`speed/*` of the sampler engines (a fast path counts as running when it runs on
+        every engine) -> Future[dict[str, float]]."""
+        refs = [e.speed_metrics.remote() for e in self.engines]
+        return gather(refs, lambda rows: {k: min(r.get(k, 1.0) for r in rows)
+                                          for k in {k for r in rows for k in r}})
+
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:
         """A metrics row to Ray's metrics, from trainer worker 0 (see cluster/metrics.py)."""
         return self.trainers[0].report_metrics.remote(row, run).future()
@@ -257,61 +272,44 @@ class RaySession:
         self.trainers, self.engines, self.placement_group = [], [], None
 
 
-def create_ray_session(
-    model: str = "tiny",
-    lora: LoraSettings | None = LoraSettings(),
-    workdir: str | Path = "runs/session",
-    num_workers: int = 1,
-    num_engines: int = 1,
-    colocate_all: bool = True,
-    strategy: str = "ddp",
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
-    gpu_memory_utilization: float = 0.5,
-    cpus_per_actor: float = 0.5,
-    engine: str = "transformers",
-    threads_per_actor: int = 0,
-    speed: SpeedSettings = SpeedSettings(),
-) -> RaySession:
-    """Start N trainer workers and M sampler engines on the connected Ray cluster
-    (threads_per_actor: torch threads in each; 0 = Ray's default, its CPU share, at least 1;
-    speed: the trainer switches in the workers, CUDA-graph decode in the engines)."""
+def create_ray_session(spec: SessionSpec) -> RaySession:
+    """Start spec.cluster.num_workers trainer workers and num_engines sampler engines on the
+    connected Ray cluster, each building its host from `spec` (threads_per_actor: torch threads
+    in each; 0 = Ray's default, its CPU share, at least 1)."""
     ray = require("ray")
     if not ray.is_initialized():
         raise RuntimeError("not connected to Ray: call workbench.cluster.connect(...) first")
-    if strategy == "fsdp" and (lora is None or not device.startswith("cuda")):
+    c = spec.cluster
+    if c.strategy == "fsdp" and (spec.lora is None or not spec.device.startswith("cuda")):
         raise ValueError("strategy fsdp shards the frozen base under LoRA on GPUs: it needs "
                          "LoRA and device cuda (use ddp otherwise)")
-    plan = plan_placement(num_workers, num_engines, colocate_all, device.startswith("cuda"),
-                          cpus_per_actor)
+    plan = plan_placement(c.num_workers, c.num_engines, c.colocate_all,
+                          spec.device.startswith("cuda"), c.cpus_per_actor)
     pg = create_placement_group(plan)
     prefix = f"workbench-{uuid.uuid4().hex[:8]}"
-    names = [f"{prefix}/trainer-{r}" for r in range(num_workers)] + \
-        [f"{prefix}/engine-{k}" for k in range(num_engines)]
+    names = [f"{prefix}/trainer-{r}" for r in range(c.num_workers)] + \
+        [f"{prefix}/engine-{k}" for k in range(c.num_engines)]
     trainer_cls = ray.remote(max_concurrency=1, max_restarts=0)(TrainerWorker)
     engine_cls = ray.remote(max_concurrency=1, max_restarts=0)(SamplerEngine)
     trainers = [trainer_cls.options(name=names[r], **actor_options(plan, pg, "trainer", r))
-                .remote(model, lora, str(workdir), dtype, device, r, num_workers, strategy,
-                        threads_per_actor, speed)
-                for r in range(num_workers)]
-    engines = [engine_cls.options(name=names[num_workers + k],
-                                  **actor_options(plan, pg, "engine", k))
-               .remote(model, lora, str(workdir), dtype, device, gpu_memory_utilization, engine,
-                       threads_per_actor, speed)
-               for k in range(num_engines)]
+                .remote(spec, r) for r in range(c.num_workers)]
+    engines = [engine_cls.options(name=names[c.num_workers + k],
+                                  **actor_options(plan, pg, "engine", k)).remote(spec)
+               for k in range(c.num_engines)]
     try:
-        if num_workers > 1:
+        if c.num_workers > 1:
             address, port = ray.get(trainers[0].open_store.remote())
             ray.get([w.join.remote(address, port) for w in trainers])
-        info = ray.get(trainers[0].call.remote(describe_host)) | {
-            "trainable_bytes": ray.get(trainers[0].call.remote(_trainable_bytes)),
-            "backend": {"kind": "ray", "num_workers": num_workers, "num_engines": num_engines,
-                        "colocate_all": colocate_all, "strategy": strategy}}
+        info = ray.get(trainers[0].call.remote(host.describe_host)) | {
+            "trainable_bytes": ray.get(trainers[0].call.remote(host.trainable_bytes)),
+            "backend": {"kind": "ray", "num_workers": c.num_workers,
+                        "num_engines": c.num_engines, "colocate_all": c.colocate_all,
+                        "strategy": c.strategy}}
         ray.get([e.pid.remote() for e in engines])  # engines loaded (or their error raised)
     except BaseException:
         release(trainers + engines, pg)
         raise
-    return RaySession(trainers, engines, pg, plan, Path(workdir), strategy, info, names)
+    return RaySession(trainers, engines, pg, plan, spec, info, names)
 
 
 def release(actors: list, placement_group: Any) -> None:

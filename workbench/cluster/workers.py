@@ -1,13 +1,16 @@
 """The two Ray actor kinds, as plain classes (`ray.remote` wraps them when a session starts).
 
-TrainerWorker: one data-parallel replica of the policy and its optimiser (a `ModelHost`). It runs
-the in-process session's functions (`_forward`, `_optim_step`, the checkpoint functions) on its
-host; with N > 1 workers they form a torch.distributed group (gloo on CPU, NCCL on CUDA) whose
-rendezvous is a TCPStore that rank 0 opens on a free port of its node.
+Both build their `ModelHost` from the session's `SessionSpec` (`session.host.make_host`), so an
+actor honours exactly what an in-process session honours (dtype, device, engine, speed).
+
+TrainerWorker: one data-parallel replica of the policy and its optimiser. It runs the host
+functions (`forward`, `optim_step`, the checkpoint functions) on its host; with N > 1 workers
+they form a torch.distributed group (gloo on CPU, NCCL on CUDA) whose rendezvous is a TCPStore
+that rank 0 opens on a free port of its node.
 
 SamplerEngine: its own copy of the base model (+ LoRA), the sampler weight versions it has been
 sent, the sampler engine that draws the tokens (generator.engine: transformers, or vLLM loading
-each version's adapter), and the environment loop (`play_model`) beside it.
+each version's adapter), and the episode loop it is handed (`host.play`) beside it.
 """
 
 from __future__ import annotations
@@ -15,32 +18,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from workbench.cluster.metrics import GaugeSet
 from workbench.cluster.parallel import all_reduce_grads, empty_output, shard_frozen_base
-from workbench.envs import InitState, MazeConfig
-from workbench.model import LoraSettings
 from workbench.policy import SamplingParams, Stream
-from workbench.policy.engine import EngineSettings
-from workbench.session.gpu import SpeedSettings, apply_speed
-from workbench.session.inprocess import (
-    ModelHost,
-    _compute_logprobs,
-    _forward,
-    _install_version,
-    _optim_step,
-    _rollout,
-    _sample,
-    _snapshot,
-    _use_version,
-    _with_trainer_weights,
-    make_host,
-)
+from workbench.session import host
+from workbench.session.host import EpisodeLoop, ModelHost
 from workbench.session.losses import LossConfig
+from workbench.session.spec import SessionSpec
 from workbench.session.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 
 GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer than this fails
@@ -55,13 +43,11 @@ def set_threads(threads: int) -> None:
 class TrainerWorker:
     """Rank `rank` of `world_size` data-parallel trainers."""
 
-    def __init__(self, model: str, lora: LoraSettings | None, workdir: str, dtype: torch.dtype,
-                 device: str, rank: int, world_size: int, strategy: str,
-                 threads: int = 0, speed: SpeedSettings = SpeedSettings()) -> None:
-        set_threads(threads)
-        self.host = make_host(model, lora, Path(workdir), dtype, device)
-        apply_speed(self.host, speed, sampler=False)
-        self.rank, self.world_size, self.strategy = rank, world_size, strategy
+    def __init__(self, spec: SessionSpec, rank: int) -> None:
+        set_threads(spec.cluster.threads_per_actor)
+        self.host = host.make_host(spec, sampler=False)
+        self.rank, self.world_size = rank, spec.cluster.num_workers
+        self.strategy = spec.cluster.strategy
         self.store: Any = None
         self.gauges = GaugeSet()
 
@@ -96,19 +82,33 @@ class TrainerWorker:
         """This worker's slice: loss, metrics, log-probs (and summed gradients if backward)."""
         if not datums:
             return empty_output()
-        return _forward(self.host, datums, loss_fn, cfg, backward)
+        return host.forward(self.host, datums, loss_fn, cfg, backward)
 
     def optim_step(self, adam: AdamParams) -> OptimStepOutput:
         """All-reduce (SUM) the gradients over the workers, then the same step everywhere."""
+        self._all_reduce()
+        return host.optim_step(self.host, adam)
+
+    def _all_reduce(self) -> None:
         if self.world_size > 1:
-            _with_trainer_weights(self.host)
+            host.trainer_weights(self.host)
             all_reduce_grads(list(self.host.trainable().values()))
-        return _optim_step(self.host, adam)
+
+    def grad_squares(self, datums: list[Datum], loss_fn: str,
+                     cfg: LossConfig) -> dict[str, float]:
+        """Squared gradient norm per parameter of the whole batch (every worker's slice summed),
+        without stepping; the gradients are dropped afterwards."""
+        if datums:
+            host.forward(self.host, datums, loss_fn, cfg, backward=True)
+        self._all_reduce()
+        squares = host.grad_squares(self.host)
+        host.zero_grads(self.host)
+        return squares
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(weights version, trainable tensors on CPU) for the sampler engines."""
-        _with_trainer_weights(self.host)
-        return self.host.weights_id, {k: v.cpu() for k, v in _snapshot(self.host).items()}
+        host.trainer_weights(self.host)
+        return self.host.weights_id, {k: v.cpu() for k, v in host.snapshot(self.host).items()}
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(host, *args): the checkpoint functions, describe_host, ..."""
@@ -135,36 +135,36 @@ class TrainerWorker:
 class SamplerEngine:
     """A sampler: base model (+ LoRA) and the weight versions the trainer sent it."""
 
-    def __init__(self, model: str, lora: LoraSettings | None, workdir: str, dtype: torch.dtype,
-                 device: str, gpu_memory_utilization: float, engine: str = "transformers",
-                 threads: int = 0, speed: SpeedSettings = SpeedSettings()) -> None:
-        set_threads(threads)
-        if device.startswith("cuda") and engine == "transformers":  # keep to its GPU share
-            torch.cuda.set_per_process_memory_fraction(gpu_memory_utilization)  # (vLLM does)
-        self.host: ModelHost = make_host(model, lora, Path(workdir), dtype, device,
-                                         hash_weights=False,
-                                         engine=EngineSettings(engine, gpu_memory_utilization))
-        apply_speed(self.host, speed, trainer=False)
+    def __init__(self, spec: SessionSpec) -> None:
+        set_threads(spec.cluster.threads_per_actor)
+        if spec.device.startswith("cuda") and spec.engine.name == "transformers":
+            # keep to its GPU share (vLLM does that itself)
+            torch.cuda.set_per_process_memory_fraction(spec.engine.gpu_memory_utilization)
+        self.host: ModelHost = host.make_host(spec, trainer=False)
 
     def install(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> int:
         """Load a trainer snapshot as sampler version `snapshot[0]`; returns it."""
         version, tensors = snapshot
-        _install_version(self.host, version, tensors)
+        host.install_version(self.host, version, tensors)
         return version
 
     def sample(self, version: int, prompt: Stream, n: int, params: SamplingParams,
                seed: int) -> Any:
-        _use_version(self.host, version)
-        return _sample(self.host, prompt, n, params, seed)
+        host.use_version(self.host, version)
+        return host.sample(self.host, prompt, n, params, seed)
 
     def compute_logprobs(self, version: int, prompt: Stream, temperature: float) -> list[float]:
-        _use_version(self.host, version)
-        return _compute_logprobs(self.host, prompt, temperature)
+        host.use_version(self.host, version)
+        return host.compute_logprobs(self.host, prompt, temperature)
 
-    def rollout(self, version: int, config: MazeConfig, init_states_P: list[InitState], n: int,
-                params: SamplingParams, seed: int) -> list:
-        _use_version(self.host, version)
-        return _rollout(self.host, config, init_states_P, n, params, seed)
+    def play(self, version: int, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
+             params: SamplingParams, seed: int) -> list:
+        host.use_version(self.host, version)
+        return host.play(self.host, loop, task, init_states_P, n, params, seed)
+
+    def speed_metrics(self) -> dict[str, float]:
+        """`speed/*` of this engine's host."""
+        return host.speed_metrics(self.host)
 
     def pid(self) -> int:
         return os.getpid()

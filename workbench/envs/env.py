@@ -16,11 +16,10 @@ when ``turn == max_turns``. The step reward is 0.0 until the episode ends; at th
 
 from __future__ import annotations
 
-import dataclasses
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 
@@ -34,6 +33,10 @@ from workbench.envs.maze import (
     step_pos,
 )
 from workbench.envs.rewards import REWARDS, episode_reward, format_fraction
+from workbench.envs.state import FIRST_TRAIN_SEED, InitState, init_maze, init_state_of
+
+__all__ = ["FEEDBACK_OK", "FEEDBACK_WALL", "FIRST_TRAIN_SEED", "InitState", "MazeConfig",
+           "MazeEnv", "budget_text", "init_maze", "init_state_of", "system_prompt"]
 
 
 class _PlainEnv:
@@ -54,10 +57,6 @@ except ImportError:  # MazeEnv still steps and resets; it just has no observatio
 
 OBSERVATIONS: tuple[str, ...] = ("image", "ascii")
 """Views a model can be shown; the observation dict always carries both."""
-
-FIRST_TRAIN_SEED = 1_000_000
-"""Training maze index i starts from seed FIRST_TRAIN_SEED + i (evalsets.train_maze), clear of
-the eval seeds; reset() without a seed draws a random training index."""
 
 FEEDBACK_OK = "Action executed successfully."
 FEEDBACK_WALL = "Cannot move into a wall."
@@ -92,6 +91,14 @@ class MazeConfig:
         if not 0.0 <= float(self.format_weight) <= 1.0:
             raise ValueError(f"format_weight must be in [0, 1], got {self.format_weight!r}")
 
+    def make_env(self) -> MazeEnv:
+        """A fresh MazeEnv of this config (`envs.protocol.Task`)."""
+        return MazeEnv(self)
+
+    def rules(self) -> str:
+        """The system prompt (`system_prompt`)."""
+        return system_prompt(self)
+
 
 def _check_int(field: str, value: object, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -101,46 +108,6 @@ def _check_int(field: str, value: object, minimum: int) -> None:
 def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class InitState:
-    """What an episode starts from; enough to replay it exactly."""
-
-    maze_seed: int
-    """Seed of make_maze (the walls)."""
-    size: int
-    """Cells per side incl. the outer wall."""
-    start: tuple[int, int]
-    """(row, col) of the agent at reset."""
-    goal: tuple[int, int]
-    """(row, col) of the goal."""
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "start", (int(self.start[0]), int(self.start[1])))
-        object.__setattr__(self, "goal", (int(self.goal[0]), int(self.goal[1])))
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-ready dict."""
-        return {"maze_seed": self.maze_seed, "size": self.size,
-                "start": list(self.start), "goal": list(self.goal)}
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> InitState:
-        """Inverse of to_dict (lists from JSON become tuples)."""
-        return cls(maze_seed=int(data["maze_seed"]), size=int(data["size"]),
-                   start=tuple(data["start"]), goal=tuple(data["goal"]))
-
-
-def init_state_of(maze: Maze) -> InitState:
-    """The InitState that rebuilds this maze."""
-    return InitState(maze_seed=maze.seed, size=maze.size, start=maze.start, goal=maze.goal)
-
-
-def init_maze(state: InitState) -> Maze:
-    """The maze an InitState describes: make_maze's walls with the recorded start and goal."""
-    maze = make_maze(state.size, state.maze_seed)
-    return dataclasses.replace(maze, start=state.start, goal=state.goal)
 
 
 def budget_text(turn: int, max_turns: int) -> str:
@@ -214,7 +181,7 @@ def _spaces(config: MazeConfig) -> tuple[Any, Any]:
 class MazeEnv(_EnvBase):
     """One maze episode per reset; actions are reply strings (or parsed Actions)."""
 
-    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["rgb_array"]}
+    metadata: dict[str, Any] = {"render_modes": ["rgb_array"]}  # as gymnasium.Env declares it
 
     def __init__(self, config: MazeConfig = MazeConfig()) -> None:
         self.config = config

@@ -20,9 +20,9 @@ from __future__ import annotations
 from fractions import Fraction
 from functools import cache
 
-from workbench.envs.env import FIRST_TRAIN_SEED, InitState, init_maze, init_state_of
 from workbench.envs.maze import Maze, make_maze, resolve_size, shortest_path
 from workbench.envs.rewards import EXTRA_TURNS
+from workbench.envs.state import FIRST_TRAIN_SEED, InitState, init_maze, init_state_of
 
 EVAL_SEEDS: range = range(64)
 """Maze seeds of the 64-maze evaluation set."""

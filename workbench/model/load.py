@@ -4,31 +4,22 @@ or a hub id.
 All go through `AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained`,
 so the tiny default exercises the real loading path. `"tiny"` builds the embedded default (random
 weights) into the cache on first use (`workbench.model.tiny`); `"tiny-sft"` builds the pretrained
-tiny policy from it the same way (`workbench.rl.pretrained`: an SFT recipe, so that module lives
-with the other training code and is imported only when that name is asked for). A hub id is
+tiny policy from it (`workbench.model.pretrained` starts the build: an SFT recipe that
+`workbench.rl.pretrained` runs in a child process). A hub id is
 passed through unchanged (transformers resolves it); tests and CI only use folders.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from workbench.model.loaded import LoadedModel
 from workbench.model.tiny import TINY_NAME, TINY_SFT_NAME, tiny_path
 
-
-@dataclass
-class LoadedModel:
-    """A model with its processor and where it came from."""
-
-    model: Any  # Qwen3VLForConditionalGeneration (or a PeftModel around it)
-    processor: Any  # Qwen3VLProcessor
-    source: str  # what the user asked for ("tiny", a folder or a hub id)
-    path: str  # the folder or hub id actually loaded
+__all__ = ["LoadedModel", "load_model", "resolve_model_path", "weights_hash"]
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -37,7 +28,7 @@ def resolve_model_path(name_or_path: str) -> str:
     if name_or_path == TINY_NAME:
         return str(tiny_path())
     if name_or_path == TINY_SFT_NAME:
-        from workbench.rl.pretrained import tiny_sft_path
+        from workbench.model.pretrained import tiny_sft_path
 
         return str(tiny_sft_path())
     return name_or_path
@@ -64,7 +55,7 @@ def load_model(
     path = resolve_model_path(name_or_path)
     model = AutoModelForImageTextToText.from_pretrained(
         path, dtype=dtype, attn_implementation=attn_implementation
-    ).to(device)
+    ).to(device)  # type: ignore[arg-type]  # transformers types .to as @wraps(Module.to): unbound
     processor = AutoProcessor.from_pretrained(path)
     return LoadedModel(model=model.eval(), processor=processor, source=name_or_path, path=path)
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from workbench.model.tiny import TinySpec, _processor, _qwen3vl_config
+from workbench.model.tiny import TinySpec, qwen3vl_config, tiny_processor
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ SHAPES: dict[str, ShapeSpec] = {
 
 def shape_config(shape: ShapeSpec, token_ids: dict[str, int]) -> Any:
     """The Qwen3VLConfig of a shape (token ids of the chat markup from the tokenizer)."""
-    config = _qwen3vl_config(shape.spec, token_ids, shape.vocab)
+    config = qwen3vl_config(shape.spec, token_ids, shape.vocab)
     text, vision = config.text_config, config.vision_config
     text.rope_parameters = {**text.rope_parameters, "rope_theta": shape.rope_theta}
     text.max_position_embeddings = 262144
@@ -118,7 +118,7 @@ def build_random(name: str, dtype: torch.dtype = torch.bfloat16,
     """A LoadedModel of shape `name` with random weights, built directly on `device`."""
     from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
 
-    from workbench.model.load import LoadedModel
+    from workbench.model.loaded import LoadedModel
     from workbench.model.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
     shape = SHAPES[name]
@@ -135,5 +135,5 @@ def build_random(name: str, dtype: torch.dtype = torch.bfloat16,
         model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
     model.generation_config.eos_token_id = tok.token_to_id("<|im_end|>")
     model.generation_config.pad_token_id = tok.token_to_id("<|endoftext|>")
-    processor = _processor(shape.spec, fast)
+    processor = tiny_processor(shape.spec, fast)
     return LoadedModel(model=model.eval(), processor=processor, source=name, path=name)

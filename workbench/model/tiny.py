@@ -70,7 +70,7 @@ class TinySpec:
         return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:12]
 
 
-def _qwen3vl_config(spec: TinySpec, tokenizer_ids: dict[str, int], vocab: int):
+def qwen3vl_config(spec: TinySpec, tokenizer_ids: dict[str, int], vocab: int):
     from transformers import Qwen3VLConfig
 
     text = dict(
@@ -113,7 +113,7 @@ def _qwen3vl_config(spec: TinySpec, tokenizer_ids: dict[str, int], vocab: int):
     )
 
 
-def _processor(spec: TinySpec, fast_tokenizer):
+def tiny_processor(spec: TinySpec, fast_tokenizer):
     from transformers import Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -144,13 +144,13 @@ def build_tiny(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
         model_max_length=4096,
     )
     fast.chat_template = CHAT_TEMPLATE
-    config = _qwen3vl_config(spec, tok.get_vocab(), tok.get_vocab_size())
+    config = qwen3vl_config(spec, tok.get_vocab(), tok.get_vocab_size())
     torch.manual_seed(spec.seed)
     model = Qwen3VLForConditionalGeneration(config).eval()
     model.generation_config.eos_token_id = tok.token_to_id("<|im_end|>")
     model.generation_config.pad_token_id = tok.token_to_id("<|endoftext|>")
     model.save_pretrained(folder)
-    _processor(spec, fast).save_pretrained(folder)
+    tiny_processor(spec, fast).save_pretrained(folder)
     (folder / "WORKBENCH_TINY.txt").write_text(f"tiny Qwen3-VL {spec.build_hash}\n{asdict(spec)}\n")
     return folder
 

@@ -8,7 +8,7 @@ a batch of live rows, and nothing else:
     rows.advance(keep, streams_B)               # keep rows `keep` (by position); streams_B are
                                                 # their grown streams (reply + next observation)
 
-Two engines stand behind it, picked by `generator.engine`:
+Two engines stand behind it, picked by `generator.engine` (`policy.engines.make_engine`):
 - `transformers` (default, CPU and GPU): our KV-cached batched sampler (`policy.sampler`) over the
   host's model; a weights version is copied into that model by the session, so the version hooks
   do nothing here.
@@ -21,9 +21,7 @@ it snapshots, selects and prunes sampler weight versions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
@@ -134,28 +132,3 @@ class TransformersEngine:
         """Nothing to do."""
 
 
-EngineBuilder = Callable[[Any, EngineSettings, int | None, Path], Engine]
-
-
-def _transformers(lm: Any, settings: EngineSettings, lora_rank: int | None,
-                  adapter_root: Path) -> Engine:
-    return TransformersEngine(lm)
-
-
-def _vllm(lm: Any, settings: EngineSettings, lora_rank: int | None,
-          adapter_root: Path) -> Engine:
-    from workbench.policy.vllm_engine import VLLMEngine
-
-    return VLLMEngine(lm, settings, lora_rank, adapter_root)
-
-
-ENGINES: dict[str, EngineBuilder] = {"transformers": _transformers, "vllm": _vllm}
-
-
-def make_engine(settings: EngineSettings, lm: Any, lora_rank: int | None,
-                adapter_root: Path) -> Engine:
-    """The engine `settings.name` over the loaded model `lm` (lora_rank None: full fine-tuning;
-    adapter_root: where an engine that loads adapters from disk writes them)."""
-    if settings.name not in ENGINES:
-        raise ValueError(f"generator.engine={settings.name!r} is not one of {sorted(ENGINES)}")
-    return ENGINES[settings.name](lm, settings, lora_rank, Path(adapter_root))

@@ -67,7 +67,8 @@ def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool,
         ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
     )
     index = None
-    if images and distinct_images and takes_encoder_outputs(type(core_model(model))):
+    # (a class is hashable; mypy's Hashable check rejects type[...] for functools.cache)
+    if images and distinct_images and takes_encoder_outputs(type(core_model(model))):  # type: ignore[arg-type]
         images, index = distinct(images)
     pixels = torch.cat([i.pixel_values for i in images]) if images else None
     device = model.device
@@ -89,7 +90,8 @@ def distinct(images: list[VisionInput]) -> tuple[list[VisionInput], list[int]]:
     image the index of its distinct one. Equal objects are hashed once."""
     digests: dict[int, bytes] = {}
     first: dict[bytes, int] = {}
-    kept, index_N = [], []
+    kept: list[VisionInput] = []
+    index_N: list[int] = []
     for img in images:
         if id(img) not in digests:
             digest = hashlib.sha1(img.pixel_values.contiguous().numpy().tobytes())
@@ -104,7 +106,7 @@ def distinct(images: list[VisionInput]) -> tuple[list[VisionInput], list[int]]:
 
 
 @cache
-def takes_encoder_outputs(model_class: type) -> bool:
+def takes_encoder_outputs(model_class: type[torch.nn.Module]) -> bool:
     """Whether this Qwen3-VL model class takes precomputed `mm_encoder_outputs` (transformers
     >= 5.20); older versions get every image's pixels instead."""
     return "mm_encoder_outputs" in inspect.signature(model_class.forward).parameters

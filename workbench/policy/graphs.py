@@ -27,6 +27,7 @@ CPU tests check against the eager sampler.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -80,6 +81,13 @@ class StaticDecode:
         return self.cache.layers[0].generation
 
 
+def warn_fallback(path: str, reason: str) -> None:
+    """The one line a fast path that fell back prints, with the reason (the host's `speed/*`
+    metrics then show 0 for it)."""
+    warnings.warn(f"{path} fell back to the slower path: {reason[:300]}", RuntimeWarning,
+                  stacklevel=2)
+
+
 def make_static_decode(model: Any, rows: int, capacity: int, bucket: int = 256,
                        use_graphs: bool | None = None, fused: bool = False,
                        compiled: bool = False) -> StaticDecode:
@@ -130,6 +138,7 @@ def _buffers(static: StaticDecode, device: torch.device) -> StaticBuffers:
 def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
     """The step through `policy.fused`; a compiled layer step that fails falls back to eager."""
     b = static.buffers
+    assert b is not None, "static_feed fills the buffers first"
     args = (static.cache.layers, b.ids_R1[:rows], b.pos_3R1[:, :rows], b.index_1,
             b.mask_R11C[:rows, :, :, :window])
     try:
@@ -138,6 +147,7 @@ def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
         if static.layer_step is layer_step:
             raise
         static.layer_step, static.compile_error = layer_step, f"{type(err).__name__}: {err}"
+        warn_fallback("generator.compile_decode", static.compile_error)
         return fused_step(static.fused, layer_step, *args)
 
 
@@ -146,6 +156,7 @@ def _step(model: Any, static: StaticDecode, rows: int, window: int) -> torch.Ten
     if static.fused is not None:
         return _fused_step(static, rows, window)
     b = static.buffers
+    assert b is not None, "static_feed fills the buffers first"
     out = model(
         input_ids=b.ids_R1[:rows],
         attention_mask=b.mask_R11C[:rows, :, :, :window],
@@ -185,7 +196,9 @@ def _run_step(model: Any, static: StaticDecode, rows: int, window: int) -> torch
             static.graphs[key] = _capture(model, static, rows, window)
         except Exception as err:  # noqa: BLE001 - any capture failure: fall back, say why
             static.use_graphs, static.error = False, f"{type(err).__name__}: {err}"
-            torch.cuda.synchronize()
+            warn_fallback("generator.cuda_graphs", static.error)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
             return _step(model, static, rows, window)
     graph, logits = static.graphs[key]
     graph.replay()
@@ -195,6 +208,8 @@ def _run_step(model: Any, static: StaticDecode, rows: int, window: int) -> torch
 def static_feed(static: StaticDecode, model: Any, live: LiveBatch, tok_B: torch.Tensor,
                 real_B: torch.Tensor) -> None:
     """`sampler._feed` over the pool: append one token per row (holes where real_B is False)."""
+    assert live.mask_BL is not None and live.next_pos_B is not None \
+        and live.logits_BV is not None, "an empty batch: extend it first"
     B, n, device = live.rows, live.mask_BL.shape[1], model.device
     window = -(-(n + 1) // static.bucket) * static.bucket
     layers = static.cache.layers

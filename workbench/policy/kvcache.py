@@ -28,6 +28,7 @@ class GrowableLayer(DynamicLayer):
         k = key_states.new_empty(B, H, cap, key_states.shape[-1])
         v = value_states.new_empty(B, H, cap, value_states.shape[-1])
         if self._n:
+            assert self._k is not None and self._v is not None  # filled columns live in them
             k[..., : self._n, :] = self._k[..., : self._n, :]
             v[..., : self._n, :] = self._v[..., : self._n, :]
         self._k, self._v = k, v
@@ -39,6 +40,7 @@ class GrowableLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         n, add = self._n, key_states.shape[-2]
         self._reserve(key_states, value_states, n + add)
+        assert self._k is not None and self._v is not None  # _reserve allocated them
         self._k[..., n : n + add, :] = key_states
         self._v[..., n : n + add, :] = value_states
         self._n = n + add
@@ -47,11 +49,13 @@ class GrowableLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.get_seq_length() > 0:  # copies the filled part only; capacity is regrown on use
+            assert self.keys is not None and self.values is not None
             self._k, self._v = self.keys[indices], self.values[indices]
             self.keys, self.values = self._k, self._v
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.get_seq_length() > 0:
+            assert self._k is not None
             self.batch_select_indices(
                 torch.arange(self._k.shape[0], device=self._k.device).repeat_interleave(repeats)
             )
@@ -96,6 +100,7 @@ class PoolLayer(DynamicLayer):
         if self._k is None:
             self.keys = self.values = torch.empty(0)
         else:
+            assert self._v is not None  # allocated with _k
             self.keys = self._k[: self._rows, :, : self._n, :]
             self.values = self._v[: self._rows, :, : self._n, :]
 
@@ -111,6 +116,7 @@ class PoolLayer(DynamicLayer):
         # multiplies its value by 0 - uninitialised memory can hold NaN (0 * NaN = NaN)
         k, v = like.new_zeros(R, H, C, D), like.new_zeros(R, H, C, D)
         if self._k is not None and self._n:
+            assert self._v is not None  # allocated with _k
             k[: self._rows, :, : self._n] = self._k[: self._rows, :, : self._n]
             v[: self._rows, :, : self._n] = self._v[: self._rows, :, : self._n]
         self._k, self._v = k, v
@@ -124,15 +130,18 @@ class PoolLayer(DynamicLayer):
         B, add = key_states.shape[0], key_states.shape[-2]
         if self.static is not None:  # one column at a device-held index (graph-capturable)
             index, window = self.static
+            assert self._k is not None and self._v is not None  # a static step runs over the pool
             self._k[:B].index_copy_(2, index, key_states)
             self._v[:B].index_copy_(2, index, value_states)
             return self._k[:B, :, :window], self._v[:B, :, :window]
         n = self._n
         self._reserve(key_states, B, n + add)
+        assert self._k is not None and self._v is not None  # _reserve allocated them
         self._k[:B, :, n : n + add] = key_states
         self._v[:B, :, n : n + add] = value_states
         self._rows, self._n = B, n + add
         self._view()
+        assert self.keys is not None and self.values is not None  # _view set them
         return self.keys, self.values
 
     def advance(self, columns: int) -> None:
@@ -145,6 +154,7 @@ class PoolLayer(DynamicLayer):
         if self._k is None or self._n == 0:
             self._rows = m
             return
+        assert self._v is not None  # allocated with _k
         if m > self._k.shape[0]:
             self._reserve(self._k[:1], m, self._n)
         n = self._n

@@ -140,6 +140,8 @@ def _draw(logp_BV: torch.Tensor, greedy: bool, generator: torch.Generator | None
 def _feed(model: Any, live: LiveBatch, tok_B: torch.Tensor, real_B: torch.Tensor) -> None:
     """Append one token per row to the cache; rows with real_B False get a hole."""
     B, device = live.rows, model.device
+    assert live.mask_BL is not None and live.next_pos_B is not None \
+        and live.logits_BV is not None, "an empty batch: extend it first"
     live.mask_BL = torch.cat([live.mask_BL, real_B.long()[:, None]], dim=1)
     out = model(
         input_ids=tok_B[:, None].to(device),
@@ -166,10 +168,11 @@ def decode(
     """Sample one reply per row from the cached state; the reply's tokens enter the cache
     (all but the last, which the next `extend` feeds with the stream)."""
     greedy = params.temperature <= 0
+    assert live.logits_BV is not None, "an empty batch: extend it first"
     generator = device_generator(generator, live.logits_BV.device)
     feed = live.feed or _feed
-    tokens_BT = [[] for _ in range(live.rows)]
-    logps_BT = [[] for _ in range(live.rows)]
+    tokens_BT: list[list[int]] = [[] for _ in range(live.rows)]
+    logps_BT: list[list[float]] = [[] for _ in range(live.rows)]
     done_B = torch.zeros(live.rows, dtype=torch.bool)
     for step in range(params.max_tokens):
         logp_BV = masked_log_softmax(live.logits_BV, params.temperature, fmt.banned)
@@ -195,6 +198,8 @@ def select_rows(live: LiveBatch, rows: list[int]) -> None:
     if rows == list(range(live.rows)):
         return
     index = torch.tensor(rows, dtype=torch.long)
+    assert live.mask_BL is not None and live.next_pos_B is not None \
+        and live.logits_BV is not None, "an empty batch: extend it first"
     live.cache.batch_select_indices(index.to(live.cache.layers[0].keys.device))
     live.mask_BL = live.mask_BL[index]
     live.next_pos_B = live.next_pos_B[index]

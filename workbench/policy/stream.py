@@ -121,7 +121,8 @@ def _append(
         tokens_T=stream.tokens_T + list(tokens),
         mm_types_T=stream.mm_types_T + (mm_types or [0] * len(tokens)),
         loss_mask_T=stream.loss_mask_T + [int(trainable)] * len(tokens),
-        logprobs_T=stream.logprobs_T + (list(logprobs) if trainable else [0.0] * len(tokens)),
+        logprobs_T=stream.logprobs_T
+        + (list(logprobs) if logprobs is not None else [0.0] * len(tokens)),
         images=stream.images + images,
     )
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from workbench._deps import require
+from workbench.deps import require
 from workbench.policy.engine import EngineSettings
 from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format

@@ -3,7 +3,7 @@
     fb = training_client.forward(datums, "ppo", loss_cfg).result()
     sampler_N, trainer_N = logprob_pairs(datums, fb.logprobs_B_T)
     ratio_stats(sampler_N, trainer_N, loss_cfg)       # ratio range, clip fraction, max |diff|
-    module_grad_norms(session, datums, "ppo", loss_cfg)   # {"layers.0.self_attn.q_proj": ...}
+    module_grad_norms(training_client, datums, "ppo", loss_cfg)  # {"layers.0.self_attn.q_proj": ..}
 
 Before any update the trainer recomputes the sampler's log-probabilities (to about 1e-6), so
 every ratio is 1; after an update the ratios move and PPO clips those outside [1-eps, 1+eps].
@@ -12,11 +12,12 @@ every ratio is 1; after an update the ratios move and PPO clips those outside [1
 from __future__ import annotations
 
 import re
-from typing import Any
+from dataclasses import replace
 
 import numpy as np
 
 from workbench.session.losses import LossConfig
+from workbench.session.protocols import TrainingClientLike
 from workbench.session.types import Datum
 
 
@@ -53,31 +54,18 @@ def module_name(param_name: str) -> str:
     return name
 
 
-def _grad_norms(host: Any, datums: list[Datum], loss_fn: str, cfg: LossConfig) -> dict[str, float]:
-    from workbench.session.inprocess import _forward
-
-    _forward(host, datums, loss_fn, cfg, backward=True)
-    squares: dict[str, float] = {}
-    for name, p in host.trainable().items():
-        if p.grad is not None:
-            key = module_name(name)
-            squares[key] = squares.get(key, 0.0) + float(p.grad.detach().double().pow(2).sum())
-    host.optimizer.zero_grad(set_to_none=True)  # inspection only: nothing is stepped
-    return {k: v ** 0.5 for k, v in squares.items()}
-
-
-def module_grad_norms(session: Any, datums: list[Datum], loss_fn: str, cfg: LossConfig,
-                      log: Any = print) -> dict[str, float]:
+def module_grad_norms(training_client: TrainingClientLike, datums: list[Datum], loss_fn: str,
+                      cfg: LossConfig) -> dict[str, float]:
     """Gradient norm of each trainable module for the update `phases.update` would make (the
-    batch-mean weights folded in), without stepping: gradients are zeroed afterwards. Needs the
-    in-process session (its worker holds the gradients); a Ray session gets {} and a note."""
-    from dataclasses import replace
-
+    batch-mean weights folded in), without stepping: gradients are dropped afterwards. On Ray
+    the workers' slices are summed first, as the update sums them."""
     from workbench.rl.phases import global_weights
 
-    if not hasattr(session, "submit"):
-        log("per-module gradient norms need the in-process session (RAY_ADDRESS=\"\")")
-        return {}
     weighted = global_weights(datums, cfg.reduction)
-    summed = replace(cfg, reduction="sum")
-    return session.submit(lambda h: _grad_norms(h, weighted, loss_fn, summed)).result()
+    squares = training_client.grad_squares(weighted, loss_fn,
+                                           replace(cfg, reduction="sum")).result()
+    by_module: dict[str, float] = {}
+    for name, square in squares.items():
+        key = module_name(name)
+        by_module[key] = by_module.get(key, 0.0) + square
+    return {k: v ** 0.5 for k, v in by_module.items()}

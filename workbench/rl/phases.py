@@ -18,14 +18,18 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, cast
 
 import numpy as np
 
 from workbench.envs import InitState, MazeConfig
+from workbench.envs.protocol import Task
 from workbench.policy import SamplingParams, Stream
+from workbench.rl.advantages import ADVANTAGES
 from workbench.rl.evaluate import EvalResult, summarize
-from workbench.rl.rollout import Episode
-from workbench.session.losses import LossConfig
+from workbench.rl.rollout import Episode, play_episodes
+from workbench.session.losses import REDUCTION_SCALES, LossConfig
+from workbench.session.protocols import SamplingClientLike, TrainingClientLike
 from workbench.session.types import AdamParams, Datum, per_reply
 
 
@@ -55,11 +59,12 @@ class RolloutRecord:
         return nats / replies if replies else 0.0
 
 
-def rollout(sampler, config: MazeConfig, states_P: list[InitState], n: int,
+def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
             params: SamplingParams, seed: int) -> RolloutRecord:
-    """n episodes per maze from the sampling client's weights version."""
+    """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
+    client's weights version."""
     start = time.perf_counter()
-    episodes = sampler.rollout(config, states_P, n, params, seed).result()
+    episodes = sampler.play(play_episodes, config, states_P, n, params, seed).result()
     return RolloutRecord(episodes, params, seed, time.perf_counter() - start)
 
 
@@ -94,34 +99,9 @@ def score(record: RolloutRecord, reward_fns: dict[str, float] | None = None) -> 
     P, G = len(record.episodes_P_G), len(record.episodes_P_G[0])
     parts = {name: np.asarray(REWARD_FNS[name](record.flat), dtype=np.float64).reshape(P, G)
              for name in weights}
-    total = sum(weights[name] * part for name, part in parts.items())
+    # an array: `weights` is never empty, so sum's 0 start is always added to one
+    total = cast(np.ndarray, sum(weights[name] * part for name, part in parts.items()))
     return ScoreRecord(rewards_P_G=total, parts=parts)
-
-
-def grpo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
-    """(r - group mean) / (unbiased group std + 1e-6)."""
-    mean_P1 = rewards_P_G.mean(axis=1, keepdims=True)
-    std_P1 = rewards_P_G.std(axis=1, ddof=1, keepdims=True)
-    return (rewards_P_G - mean_P1) / (std_P1 + 1e-6)
-
-
-def dr_grpo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
-    """r - group mean (no std normalisation: Dr. GRPO)."""
-    return rewards_P_G - rewards_P_G.mean(axis=1, keepdims=True)
-
-
-def rloo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
-    """r - mean of the other G-1 rewards of the group (leave-one-out baseline)."""
-    G = rewards_P_G.shape[1]
-    others_P_G = (rewards_P_G.sum(axis=1, keepdims=True) - rewards_P_G) / (G - 1)
-    return rewards_P_G - others_P_G
-
-
-ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "grpo": grpo_advantages,
-    "dr_grpo": dr_grpo_advantages,
-    "rloo": rloo_advantages,
-}
 
 
 @dataclass
@@ -178,7 +158,7 @@ def step_advantages(episodes_P_G: list[list[Episode]], rewards_P_G: np.ndarray, 
     for group, rewards_G in zip(episodes_P_G, rewards_P_G):
         returns_G = [rewards_G[g] * gamma ** np.arange(ep.turns - 1, -1, -1, dtype=float)
                      for g, ep in enumerate(group)]
-        anchors: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        anchors: dict[tuple[int, ...], list[tuple[int, int]]] = {}
         for g, ep in enumerate(group):
             for t in range(ep.turns):
                 anchors.setdefault(tuple(ep.positions[t]), []).append((g, t))
@@ -197,7 +177,7 @@ def datum_index(record: RolloutRecord, adv: AdvantageRecord,
                 drop_zero: bool = True) -> list[tuple[int, int]]:
     """(maze, sample) of each episode that make_datums turns into a datum, in order."""
     return [(p, g) for p, group in enumerate(record.episodes_P_G) for g, ep in enumerate(group)
-            if not drop_zero or np.any(adv.of_turns(p, g, replies(ep.stream)) != 0.0)]
+            if not drop_zero or np.any(adv.of_turns(p, g, replies(_stream(ep))) != 0.0)]
 
 
 def make_datums(record: RolloutRecord, adv: AdvantageRecord,
@@ -206,9 +186,15 @@ def make_datums(record: RolloutRecord, adv: AdvantageRecord,
     turn's advantage (`AdvantageRecord.of_turns`)."""
     datums = []
     for p, g in datum_index(record, adv, drop_zero):
-        stream = record.episodes_P_G[p][g].stream
+        stream = _stream(record.episodes_P_G[p][g])
         datums.append(turn_datum(stream, adv.of_turns(p, g, replies(stream))))
     return datums
+
+
+def _stream(episode: Episode) -> Stream:
+    """A model rollout's token stream (scripted episodes have none)."""
+    assert episode.stream is not None, "a scripted episode has no token stream to train on"
+    return episode.stream
 
 
 def replies(stream: Stream) -> int:
@@ -234,22 +220,21 @@ class UpdateRecord:
 
 
 def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
-    """Fold a mean reduction over the WHOLE batch into the weights, so that summing the loss
-    over any split into mini-batches gives exactly the batch's token (or sequence) mean."""
+    """Fold a mean reduction over the WHOLE batch into the weights (`REDUCTION_SCALES`), so that
+    summing the loss over any split into mini-batches gives exactly the batch's token (or
+    sequence) mean."""
     if reduction == "sum":
         return datums
     tokens_B = [sum(1 for w in d.weights_T if w != 0) for d in datums]
-    if reduction == "token_mean":
-        scale_B = [1.0 / max(sum(tokens_B), 1)] * len(datums)
-    else:  # sequence_mean
-        scale_B = [1.0 / (len(datums) * max(n, 1)) for n in tokens_B]
+    scale_B = REDUCTION_SCALES[reduction](tokens_B)
     return [replace(d, weights_T=tuple(w * s for w in d.weights_T))
             for d, s in zip(datums, scale_B)]
 
 
-def update(training_client, datums: list[Datum], loss_fn: str, loss_cfg: LossConfig,
-           adam: AdamParams, minibatch: int = 16, bucket_by_length: bool = False,
-           mini_batches: int = 1, epochs: int = 1) -> UpdateRecord:
+def update(training_client: TrainingClientLike, datums: list[Datum], loss_fn: str,
+           loss_cfg: LossConfig, adam: AdamParams, minibatch: int = 16,
+           bucket_by_length: bool = False, mini_batches: int = 1,
+           epochs: int = 1) -> UpdateRecord:
     """`epochs` passes over the batch, each split into `mini_batches` contiguous mini-batches;
     each mini-batch is forward_backward over chunks of `minibatch` datums (queued back to back)
     and then one optim_step (PPO's mini-batch updates: SkyRL's policy_mini_batch_size and
@@ -296,9 +281,10 @@ class EvalRecord:
         return next(r for r in self.results if r.mode == mode)
 
 
-def evaluate(sampler, config: MazeConfig, states: list[InitState], name: str = "policy",
-             greedy: bool = True, sampled_passes: int = 2, temperature: float = 1.0,
-             max_tokens: int = 4, seed: int = 12345, keep_streams: bool = False) -> EvalRecord:
+def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitState],
+             name: str = "policy", greedy: bool = True, sampled_passes: int = 2,
+             temperature: float = 1.0, max_tokens: int = 4, seed: int = 12345,
+             keep_streams: bool = False) -> EvalRecord:
     """Success on the fixed set, greedy and/or sampled (passes = episodes per maze).
     Episodes keep their replies and positions; token streams only with keep_streams."""
     start = time.perf_counter()
@@ -307,7 +293,7 @@ def evaluate(sampler, config: MazeConfig, states: list[InitState], name: str = "
     results, episodes = [], {}
     for mode, n, temp in runs:
         params = SamplingParams(max_tokens=max_tokens, temperature=temp)
-        eps = sampler.rollout(config, states, n, params, seed).result()
+        eps = sampler.play(play_episodes, config, states, n, params, seed).result()
         if not keep_streams:  # token streams hold every image's pixels: ~1 MB a turn
             for ep in (ep for group in eps for ep in group):
                 ep.stream = None

@@ -17,10 +17,10 @@ import torch
 
 from workbench import run as rundir
 from workbench.config import RunConfig, from_dict
+from workbench.opener import open_session, session_spec
 from workbench.rl import phases
-from workbench.rl.train import checkpoint_step, checkpoints_newest_first
-from workbench.session import AdamParams, LossConfig, create_session
-from workbench.session.checkpoint import is_complete
+from workbench.rl.checkpoints import checkpoint_step, find_checkpoint
+from workbench.session import AdamParams, LossConfig
 
 COMPARED = ("update/loss", "update/kl_sampler_trainer", "update/entropy",
             "update/clip_fraction", "update/tokens", "update/grad_norm", "update/datums")
@@ -44,10 +44,12 @@ class ReplayResult:
 
 
 def _checkpoint_before(run_dir: Path, step: int) -> Path:
-    for folder in checkpoints_newest_first(run_dir):
-        if checkpoint_step(folder) < step and is_complete(folder):
-            return folder
-    raise FileNotFoundError(f"no complete checkpoint before step {step} in {run_dir}")
+    """The newest intact checkpoint before `step` (a damaged one is skipped with one line)."""
+    folder = find_checkpoint(run_dir, print, at_most=step - 1)
+    if folder is None:
+        raise FileNotFoundError(f"no intact checkpoint before step {step} in {run_dir} (a run "
+                                "with trainer.ckpt_interval=0 keeps none, so it cannot replay)")
+    return folder
 
 
 def _update_from_record(training_client, folder: Path, config: RunConfig) -> dict[str, float]:
@@ -85,9 +87,8 @@ def _replay(run_dir: Path, step: int) -> ReplayResult:
     config = from_dict(json.loads((run_dir / "config.json").read_text()))
     ckpt = _checkpoint_before(run_dir, step)
     start = checkpoint_step(ckpt)
-    session = create_session(config.model.name, config.lora.settings,
-                             workdir=run_dir / "replay", dtype=getattr(torch, config.model.dtype),
-                             device=config.model.device)
+    assert start is not None, ckpt  # find_checkpoint returns global_step_N folders only
+    session = open_session(session_spec(config, run_dir / "replay"))  # the run's own spec
     tc = session.training_client
     tc.load_state(ckpt / "state").result()
     for s in range(start + 1, step):

@@ -1,11 +1,15 @@
 """Play maze episodes: a model policy batched per turn, or a scripted policy (random, oracle).
 
-`play_model` runs G episodes for each of P mazes. Every turn, all live episodes are batched and
+`play_model` runs G episodes for each of P initial states of a task (any `envs.protocol.Task`:
+the maze, or envs/room.py's room). Every turn, all live episodes are batched and
 each samples one reply; the reply is parsed, the environment steps, and the next observation
 (image + feedback + turn budget) is appended to the episode's token stream. Streams only grow by
 appending, so the record holds exactly the tokens the sampler saw and produced.
 
     episodes_P_G = play_model(lm, MazeConfig(), eval_set(7, 8), n=4, params=SamplingParams())
+
+`play_episodes` is the same loop in the shape a session runs beside its sampler
+(`session.host.EpisodeLoop`): `sampler.play(play_episodes, task, states_P, n, params, seed)`.
 """
 
 from __future__ import annotations
@@ -18,17 +22,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench.envs import (
-    Action,
-    InitState,
-    MazeConfig,
-    MazeEnv,
-    format_action,
-    oracle_actions,
-    system_prompt,
-)
+from workbench.envs import Action, InitState, MazeConfig, MazeEnv, format_action, oracle_actions
 from workbench.envs.actions import move, stop
 from workbench.envs.maze import Maze, step_pos
+from workbench.envs.protocol import Task, TaskEnv
 from workbench.model.load import LoadedModel
 from workbench.policy import (
     SamplingParams,
@@ -46,7 +43,7 @@ from workbench.policy.engine import Engine, TransformersEngine
 class Episode:
     """One played episode: what was seen, said and done, turn by turn."""
 
-    init_state: InitState
+    init_state: Any  # the task's initial state (envs.InitState for the maze)
     replies: list[str] = field(default_factory=list)  # raw text per turn
     actions: list[Action] = field(default_factory=list)  # parsed per turn
     feedback: list[str] = field(default_factory=list)  # environment text per turn
@@ -61,7 +58,7 @@ class Episode:
         return len(self.replies)
 
 
-def user_text(obs: dict[str, Any], info: dict[str, Any], config: MazeConfig) -> str:
+def user_text(obs: dict[str, Any], info: dict[str, Any], config: Task) -> str:
     """The user message after the image: feedback (from turn 2), turn budget, ascii maze."""
     parts = [info["feedback"]] if info.get("feedback") else []
     parts.append(info["budget_text"])
@@ -71,7 +68,7 @@ def user_text(obs: dict[str, Any], info: dict[str, Any], config: MazeConfig) -> 
 
 
 def observe(stream: Stream, processor: Any, fmt: Any, obs: dict, info: dict,
-            config: MazeConfig, cache: dict | None = None) -> Stream:
+            config: Task, cache: dict | None = None) -> Stream:
     """Append the user turn for an observation: its image (if shown) and user_text.
 
     `cache` (image bytes digest -> VisionInput) shares the processed pixels of identical
@@ -83,11 +80,13 @@ def observe(stream: Stream, processor: Any, fmt: Any, obs: dict, info: dict,
             image = encode_image(processor, obs["image"])
             if cache is not None:
                 cache[key] = image
-        image = image or cache[key]
+        if image is None:  # cached by an earlier call
+            assert cache is not None
+            image = cache[key]
     return append_user(stream, processor, fmt, user_text(obs, info, config), image)
 
 
-def _record_step(ep: Episode, env: MazeEnv, reply: str) -> tuple[dict, dict]:
+def record_step(ep: Episode, env: TaskEnv, reply: str) -> tuple[dict, dict]:
     """Step the env with a reply and record it; returns (observation, info)."""
     obs, reward, _, _, info = env.step(reply)
     ep.replies.append(reply)
@@ -102,8 +101,8 @@ def _record_step(ep: Episode, env: MazeEnv, reply: str) -> tuple[dict, dict]:
 @torch.no_grad()
 def play_model(
     lm: LoadedModel,
-    config: MazeConfig,
-    init_states_P: list[InitState],
+    config: Task,
+    init_states_P: list[Any],
     n: int,
     params: SamplingParams,
     generator: torch.Generator | None = None,
@@ -117,14 +116,17 @@ def play_model(
     """
     engine = engine or TransformersEngine(lm)
     fmt = chat_format(lm.processor)
-    system = start_stream(lm.processor, fmt, system_prompt(config))
-    envs, episodes, first_streams, images = [], [], [], {}
+    system = start_stream(lm.processor, fmt, config.rules())
+    envs: list[TaskEnv] = []
+    episodes: list[Episode] = []
+    first_streams: list[Stream] = []
+    images: dict = {}
     for state in init_states_P:
-        env = MazeEnv(config)
+        env = config.make_env()
         obs, info = env.reset(options={"init_state": state})
         first_streams.append(observe(system, lm.processor, fmt, obs, info, config, images))
         for _ in range(n):
-            env = MazeEnv(config)
+            env = config.make_env()
             env.reset(options={"init_state": state})
             envs.append(env)
             episodes.append(Episode(init_state=state, positions=[env.pos]))
@@ -136,7 +138,7 @@ def play_model(
         for i, done in zip(rows, completions):
             reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
             streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
-            obs, info = _record_step(episodes[i], envs[i], reply)
+            obs, info = record_step(episodes[i], envs[i], reply)
             if not envs[i].done:
                 streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config, images)
             episodes[i].stream = streams[i]
@@ -145,6 +147,14 @@ def play_model(
         if rows:
             live.advance(keep, [streams[i] for i in rows])
     return [episodes[p * n:(p + 1) * n] for p in range(len(init_states_P))]
+
+
+def play_episodes(lm: LoadedModel, engine: Engine, task: Task, init_states_P: list[Any], n: int,
+                  params: SamplingParams, seed: int) -> list[list[Episode]]:
+    """The episode loop a session runs beside its sampler (`session.host.EpisodeLoop`):
+    play_model with the engine of the sampler's weights version, sampling seeded by `seed`."""
+    return play_model(lm, task, init_states_P, n, params, torch.Generator().manual_seed(seed),
+                      engine)
 
 
 # A scripted policy picks the next reply text from (maze, position, rng).
@@ -193,7 +203,7 @@ def play_scripted(
             env.reset(options={"init_state": state})
             ep = Episode(init_state=state, positions=[env.pos])
             while not env.done:
-                _record_step(ep, env, policy(env.maze, env.pos, config, rng))
+                record_step(ep, env, policy(env.maze, env.pos, config, rng))
             group.append(ep)
         episodes_P_G.append(group)
     return episodes_P_G

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,23 +97,29 @@ def sft_steps(training_client, config: MazeConfig, first_maze: int, steps: int,
 
 def run_sft(config: Any, log: Any = print) -> Path:
     """SFT from config (model, env, generator.max_turns, sft.*) into run_dir; returns the
-    exported model folder (`<run_dir>/model`) that GRPO loads as its base."""
+    exported model folder (`<run_dir>/model`) that GRPO loads as its base. A run_dir that is
+    not empty is refused (storage.RunFolderExists) unless sft.overwrite, which lists what is
+    removed in one line, then removes it."""
     import shutil
 
-    import torch
-
     from workbench import run as rundir
-    from workbench.config import to_dict
-    from workbench.session import create_session
+    from workbench import storage
+    from workbench.config import ConfigError, to_dict
+    from workbench.opener import open_session, session_spec
 
+    if storage.is_s3(config.run_dir):
+        raise ConfigError(f"run_dir={config.run_dir}: sft writes a local folder, not s3://")
     run_dir = Path(config.run_dir)
-    if run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
+    held = storage.run_contents(storage.open_store(run_dir)) if run_dir.is_dir() else ""
+    storage.clear_or_refuse(str(run_dir), held, config.sft.overwrite, "sft.overwrite", (
+        f"run_dir {run_dir} is not empty ({held}) and sft would delete it: add "
+        "sft.overwrite=true to remove it, or choose another run_dir"),
+        lambda: shutil.rmtree(run_dir), log)
+    run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_json(run_dir / "config.json", to_dict(config))
-    lora = None if config.sft.full_finetune else config.lora.settings
-    session = create_session(config.model.name, lora, workdir=run_dir,
-                             dtype=getattr(torch, config.model.dtype), device=config.model.device)
+    spec = session_spec(config, run_dir, full_finetune=config.sft.full_finetune)
+    # SFT samples nothing: a Ray session gets trainer workers only
+    session = open_session(replace(spec, cluster=replace(spec.cluster, num_engines=0)), log)
     adam = AdamParams(learning_rate=config.sft.learning_rate)
     first_maze = SFT_INDEX_OFFSET + config.trainer.seed * 100_000_000
     from tqdm.auto import tqdm

@@ -12,14 +12,10 @@ complete one and reproduces an uninterrupted run bit for bit on CPU.
 
 from __future__ import annotations
 
-import json
-import math
-import random
-import shutil
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -27,52 +23,22 @@ import torch
 from workbench import run as rundir
 from workbench import storage
 from workbench.config import RunConfig, to_dict
-from workbench.envs import eval_set, train_states
+from workbench.envs import eval_set
 from workbench.envs.rewards import REWARDS
-from workbench.policy import SamplingParams
-from workbench.policy.engine import EngineSettings
+from workbench.opener import open_session, session_spec
+from workbench.policy import SamplingParams, Stream
 from workbench.rl import phases
+from workbench.rl.checkpoints import (
+    checkpoint_step,
+    find_checkpoint,
+    open_run,
+    save_checkpoint,
+    set_rng_state,
+)
 from workbench.rl.evaluate import turn_rates
-from workbench.session import AdamParams, LossConfig, create_session
-from workbench.session.checkpoint import atomic_folder, is_complete
-from workbench.session.gpu import SpeedSettings, apply_speed
-
-
-def learning_rate(config: RunConfig, step: int) -> float:
-    """LR of a 1-based step: constant, or linear warm-up then cosine to zero."""
-    t = config.trainer
-    if t.lr_schedule == "constant":
-        return t.learning_rate
-    if step <= t.warmup_steps:
-        return t.learning_rate * step / max(t.warmup_steps, 1)
-    progress = (step - t.warmup_steps) / max(t.total_steps - t.warmup_steps, 1)
-    return t.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def step_mazes(config: RunConfig, step: int) -> list:
-    """The P training mazes of a 1-based step: training mazes (step - 1) * P, ... (plus the
-    trainer seed's offset), never a task of the eval set (`envs.train_maze`)."""
-    P = config.trainer.train_batch_size
-    return train_states(config.env.size, (step - 1) * P + config.trainer.seed * 100_000_000, P)
-
-
-def step_seed(config: RunConfig, step: int) -> int:
-    """Sampling seed of a step."""
-    return config.trainer.seed * 1_000_003 + step
-
-
-def _rng_state() -> dict[str, Any]:
-    return {"python": repr(random.getstate()), "numpy": np.random.get_state()[1].tolist(),
-            "torch": torch.get_rng_state().tolist()}
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import ast
-
-    random.setstate(ast.literal_eval(state["python"]))
-    np_state = np.random.get_state()
-    np.random.set_state((np_state[0], np.array(state["numpy"], dtype=np.uint32), *np_state[2:]))
-    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+from workbench.rl.schedule import learning_rate, step_mazes, step_seed
+from workbench.session import AdamParams, LossConfig
+from workbench.session.protocols import SessionLike, TrainingClientLike
 
 
 @dataclass
@@ -80,124 +46,42 @@ class Trainer:
     """A live run: its config, session and folder (a notebook can drive it step by step)."""
 
     config: RunConfig
-    session: Any
+    session: SessionLike
     run_dir: Path
     step: int = 0  # last completed step
     last_eval: Any = None  # the newest EvalRecord (its episodes feed the viewers)
 
     @property
-    def training_client(self) -> Any:
+    def training_client(self) -> TrainingClientLike:
         return self.session.training_client
 
 
-def checkpoint_step(folder: Path) -> int:
-    """The step of a checkpoints/global_step_N folder."""
-    return int(folder.name.rsplit("_", 1)[1])
-
-
-def checkpoints_newest_first(run_dir: Path) -> list[Path]:
-    """Every checkpoint folder of a run (complete or not), highest step first."""
-    return sorted((run_dir / "checkpoints").glob("global_step_*"), key=checkpoint_step,
-                  reverse=True)
-
-
-def find_checkpoint(run_dir: Path, log: Any = print) -> Path | None:
-    """Newest complete checkpoint; incomplete ones (torn writes) are skipped and reported."""
-    marker = run_dir / rundir.LATEST
-    if marker.exists():
-        named = run_dir / "checkpoints" / f"global_step_{marker.read_text().strip()}"
-        if not is_complete(named):
-            log(f"latest marker points at {named.name}, which is incomplete: skipping it")
-    for folder in checkpoints_newest_first(run_dir):
-        if is_complete(folder):
-            return folder
-        log(f"skipping incomplete checkpoint {folder.name}")
-    return None
-
-
-def save_checkpoint(trainer: Trainer) -> Path:
-    """Full checkpoint of the current step (atomic), then the latest marker."""
-    folder = trainer.run_dir / "checkpoints" / f"global_step_{trainer.step}"
-    state_path = trainer.training_client.save_state_to(trainer.run_dir / ".state-tmp").result()
-
-    def write(tmp: Path) -> None:
-        shutil.copytree(state_path, tmp / "state")
-        rundir.write_json(tmp / "trainer_state.json", {
-            "step": trainer.step, "config": to_dict(trainer.config), "rng": _rng_state()})
-    atomic_folder(folder, write)
-    shutil.rmtree(state_path, ignore_errors=True)
-    (trainer.run_dir / rundir.LATEST).write_text(f"{trainer.step}\n")
-    return folder
-
-
-def open_session(config: RunConfig, run_dir: Path, log: Any = print) -> Any:
-    """The session backend the config asks for: in-process when cluster.address is "", else
-    trainer and sampler actors on Ray (connecting first unless this process already is)."""
-    lora = config.lora.settings
-    model = dict(model=config.model.name, lora=lora, workdir=run_dir,
-                 dtype=getattr(torch, config.model.dtype), device=config.model.device)
-    c, g = config.cluster, config.generator
-    if not c.address:
-        engine = EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns)
-        session = create_session(**model, engine=engine)
-        apply_speed(session.host, speed_settings(config))
-        return session
-    from workbench.cluster import connect, create_ray_session
-
-    connect(c.address, c.num_cpus, c.num_gpus, c.dashboard, c.temp_dir or None, log=log)
-    return create_ray_session(
-        **model, num_workers=config.trainer.num_workers,
-        num_engines=config.generator.num_engines, colocate_all=config.trainer.colocate_all,
-        strategy=config.trainer.strategy,
-        gpu_memory_utilization=g.gpu_memory_utilization, engine=g.engine,
-        cpus_per_actor=c.cpus_per_actor, threads_per_actor=c.threads_per_actor,
-        speed=speed_settings(config))
-
-
-def speed_settings(config: RunConfig) -> SpeedSettings:
-    """trainer.gradient_checkpointing / loss_tokens_only / lora_autocast and generator.cuda_graphs
-    / fused_decode / compile_decode (on a CUDA device, with our sampler) as one record for the
-    hosts (session/gpu.py)."""
-    t, g = config.trainer, config.generator
-    graphs = g.cuda_graphs and g.engine == "transformers" and config.model.device.startswith("cuda")
-    return SpeedSettings(
-        gradient_checkpointing=t.gradient_checkpointing, loss_tokens_only=t.loss_tokens_only,
-        cuda_graphs=graphs, kv_rows=t.train_batch_size * g.n_samples_per_prompt,
-        lora_autocast=t.lora_autocast, selective_checkpointing=t.selective_checkpointing,
-        compile_layers=t.compile_layers,
-        fused_decode=g.fused_decode, compile_decode=g.compile_decode)
-
-
 def start(config: RunConfig, log: Any = print) -> Trainer:
-    """Open (or resume) the run directory and the session; step 0 is checkpointed."""
-    t = config.trainer
-    run_dir = storage.open_run_dir(config.run_dir, t.resume_mode, config.storage.endpoint_url,
-                                   config.storage.local_dir, log)  # s3://: a local working copy
-    if t.resume_mode == "none" and run_dir.exists():
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    session = open_session(config, run_dir, log)
-    trainer = Trainer(config, session, run_dir)
-    ckpt = Path(t.resume_path) if t.resume_mode == "from_path" else (
-        find_checkpoint(run_dir, log) if t.resume_mode == "latest" else None)
-    if ckpt is not None:
-        if not is_complete(ckpt):
-            raise FileNotFoundError(f"{ckpt} is not a complete checkpoint")
-        session.training_client.load_state(ckpt / "state").result()
-        state = json.loads((ckpt / "trainer_state.json").read_text())
-        trainer.step = int(state["step"])
-        _set_rng_state(state["rng"])
+    """Open the run folder, then the session. `checkpoints.open_run` deletes nothing unasked
+    (trainer.overwrite), removes temporaries of interrupted writes, picks the newest intact
+    checkpoint and refuses a config change outside its allow-list. Resuming loads the
+    checkpoint's weights, optimiser, step and RNG states and drops the metric rows logged after
+    it; every start writes its config to config.json; a fresh run writes manifest.json and,
+    when trainer.ckpt_interval > 0, its step-0 checkpoint."""
+    run = open_run(config, log)
+    run_dir = run.run_dir
+    session = open_session(session_spec(config, run_dir), log)
+    trainer = Trainer(config, session, run_dir, step=run.step)
+    if run.checkpoint is not None:
+        session.training_client.load_state(run.checkpoint / "state").result()
+    rundir.write_json(run_dir / "config.json", to_dict(config))  # the config of this start
+    if run.checkpoint is None or not (run_dir / "manifest.json").is_file():
+        threads = (config.cluster.threads_per_actor or None) if config.cluster.address else (
+            torch.get_num_threads())  # the trainer's threads (Ray's default share: not known)
+        rundir.write_manifest(run_dir, to_dict(config), session.describe(),
+                              [REWARDS[config.env.reward], phases.env_reward], threads)
+    if run.checkpoint is not None:
+        set_rng_state(run.state["rng"])
         rundir.truncate_metrics(run_dir, trainer.step)
-        log(f"resumed from {ckpt} at step {trainer.step}")
+        log(f"resumed from {run.checkpoint} at step {trainer.step}")
         return trainer
-    for stale in ("metrics.jsonl", rundir.LATEST):
-        (run_dir / stale).unlink(missing_ok=True)
-    rundir.write_json(run_dir / "config.json", to_dict(config))
-    threads = (config.cluster.threads_per_actor or None) if config.cluster.address else (
-        torch.get_num_threads())  # the trainer's threads (Ray's default share: not known here)
-    rundir.write_manifest(run_dir, to_dict(config), session.describe(),
-                          [REWARDS[config.env.reward], phases.env_reward], threads)
-    save_checkpoint(trainer)
+    if config.trainer.ckpt_interval:
+        save_checkpoint(trainer)
     storage.mirror_run(run_dir, config.run_dir, config.storage.endpoint_url)  # s3:// run_dir
     return trainer
 
@@ -237,6 +121,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
     row["time/weight_sync"] = sync_seconds
+    row |= trainer.session.speed_metrics().result()  # speed/*: 0.0 for a fast path that fell back
     if c.trainer.keep_step_records:
         index = phases.datum_index(ro, adv)
         rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
@@ -258,7 +143,8 @@ def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
         "reward/std": float(sc.rewards_P_G.std()),
         "rollout/success_rate": float(np.mean([ep.success for ep in flat])),
         "rollout/turns_mean": float(np.mean([ep.turns for ep in flat])),
-        "rollout/reply_tokens_mean": float(np.mean([sum(ep.stream.loss_mask_T) for ep in flat])),
+        "rollout/reply_tokens_mean": float(np.mean(  # model rollouts: every episode has a stream
+            [sum(cast(Stream, ep.stream).loss_mask_T) for ep in flat])),
         "rollout/entropy": ro.reply_entropy(),
         "rollout/zero_variance_groups": adv.zero_variance_groups,
         "rollout/zero_variance_frac": adv.zero_variance_groups / len(ro.episodes_P_G),
@@ -300,7 +186,7 @@ def cluster_lost(config: RunConfig, run_dir: Path, err: BaseException) -> Cluste
     """The error a user sees when the cluster disappears: what was lost, what was kept, and
     the command that continues."""
     steps = [r["step"] for r in rundir.read_metrics(run_dir) if "reward/mean" in r]
-    ckpt = find_checkpoint(run_dir, log=lambda _: None)
+    ckpt = find_checkpoint(run_dir, log=lambda _: None)  # the newest intact one
     kept = f"{ckpt} (step {checkpoint_step(ckpt)})" if ckpt else "none yet"
     return ClusterLostError(
         f"lost the Ray cluster at {config.cluster.address} after step {max(steps, default=0)} "
@@ -335,6 +221,10 @@ def _train_with_restarts(trainer: Trainer, log: Any) -> Trainer:
             restarts += 1
             if restarts > config.cluster.max_restarts:
                 raise
+            if config.trainer.ckpt_interval == 0:
+                log(f"{type(err).__name__} after step {trainer.step}: no checkpoint to reopen "
+                    "the session from (trainer.ckpt_interval=0), so the run stops here")
+                raise
             log(f"{type(err).__name__} after step {trainer.step}: reopening the session from the"
                 f" last checkpoint (restart {restarts}/{config.cluster.max_restarts})")
             trainer.session.close()
@@ -361,11 +251,14 @@ def _loop(trainer: Trainer, log: Any) -> Trainer:
 
 
 def _after_step(trainer: Trainer, log: Any) -> None:
-    """The intervals: evaluation, adapter export, full checkpoint (written last)."""
+    """The intervals, exactly as TrainerConfig's docstrings say: evaluation after each
+    multiple of eval_interval and after the last step; adapter export after each multiple of
+    hf_save_interval and after the last step (never when 0); full checkpoint after each
+    multiple of ckpt_interval (never when 0), written last."""
     t, step = trainer.config.trainer, trainer.step
     if t.eval_interval and step % t.eval_interval == 0 or step == t.total_steps:
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
-    if t.hf_save_interval and step % t.hf_save_interval == 0 or step == t.total_steps:
+    if t.hf_save_interval and (step % t.hf_save_interval == 0 or step == t.total_steps):
         trainer.training_client.export_adapter(
             trainer.run_dir / "exports" / f"global_step_{step}").result()
     if t.ckpt_interval and step % t.ckpt_interval == 0:

@@ -13,7 +13,7 @@ incomplete or foreign-base adapter: the server keeps running) or 500.
 import hmac  # no `from __future__ import annotations`: FastAPI reads the route annotations
 from typing import Any
 
-from workbench._deps import require
+from workbench.deps import require
 from workbench.serve.chat import RequestError, parse_request
 from workbench.serve.engine import Engine, engine_stats, generate, key_hash, list_models
 

@@ -105,7 +105,8 @@ def _parts(content: Any) -> list[dict[str, Any]]:
     return content
 
 
-def _image_url(part: dict[str, Any]) -> str:
+def _image_url(part: dict[str, Any]) -> Any:
+    """The part's URL as the client sent it (decode_image_url checks that it is a string)."""
     value = part.get("image_url")
     return value.get("url", "") if isinstance(value, dict) else value
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from workbench.envs import InitState, MazeConfig, MazeEnv, system_prompt
 from workbench.rl.rollout import Episode, user_text
-from workbench.rl.rollout import _record_step as record_step
+from workbench.rl.rollout import record_step as record_step
 from workbench.serve.chat import image_data_url
 
 

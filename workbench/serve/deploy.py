@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from workbench._deps import require
+from workbench.deps import require
 from workbench.serve.engine import ServeSettings, key_hash
 
 APP_NAME = "workbench"
@@ -50,7 +50,8 @@ def deployment(settings: ServeSettings) -> Any:
         def __serve_build_asgi_app__(self) -> Any:
             return build_app(self.engine)
 
-    return OpenAIReplica.bind(settings)
+    # serve.deployment makes the class a Deployment; mypy keeps a decorated class's own type
+    return OpenAIReplica.bind(settings)  # type: ignore[attr-defined]
 
 
 def start(settings: ServeSettings, address: str = "local", num_cpus: int = 0,

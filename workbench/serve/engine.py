@@ -115,9 +115,10 @@ def resolve_model(engine: Engine, model: str) -> str | None:
         raise _not_found(engine, model, f"this server serves '{base}' and '{base}:<adapter>'")
     name = model[len(base) + 1:]
     if name == "default":
-        name = serving_default(engine)
-        if name is None:
+        default = serving_default(engine)
+        if default is None:
             raise _not_found(engine, model, "no adapter has been promoted as the default")
+        name = default
     if not registry.NAME_RE.match(name):
         raise _not_found(engine, model, f"{name!r} is not a valid adapter name")
     return name

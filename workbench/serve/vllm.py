@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from workbench._deps import require
+from workbench.deps import require
 from workbench.registry import ADAPTERS
 from workbench.serve.engine import ServeSettings
 from workbench.storage import is_s3

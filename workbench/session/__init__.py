@@ -1,7 +1,10 @@
 """Training-session primitives (seed 003's programming model): futures over a live policy.
 
+    session = open_session(SessionSpec(model="tiny-sft"))   # workbench.opener
+
 Backends: in-process (`create_session`), and Ray actors with the same interface
-(`workbench.cluster.create_ray_session`, which runs these same functions inside its actors).
+(`workbench.cluster.create_ray_session`), both over the functions of `session.host`; the typed
+surface both follow is `session.protocols`.
 """
 
 from workbench.session.checkpoint import IncompleteCheckpoint, is_complete
@@ -13,6 +16,7 @@ from workbench.session.inprocess import (
     create_session_from_state,
 )
 from workbench.session.losses import LOSSES, REDUCTIONS, LossConfig, loss_metrics
+from workbench.session.spec import ClusterSpec, SessionSpec, SpeedSettings
 from workbench.session.types import (
     AdamParams,
     Datum,
@@ -23,8 +27,8 @@ from workbench.session.types import (
 )
 
 __all__ = [
-    "LOSSES", "REDUCTIONS", "AdamParams", "Datum", "ForwardBackwardOutput", "IncompleteCheckpoint",
-    "LossConfig", "OptimStepOutput", "SampleResponse", "SamplingClient", "Session",
-    "TrainingClient", "create_session", "create_session_from_state", "datum_from_stream",
-    "is_complete", "loss_metrics",
+    "LOSSES", "REDUCTIONS", "AdamParams", "ClusterSpec", "Datum", "ForwardBackwardOutput",
+    "IncompleteCheckpoint", "LossConfig", "OptimStepOutput", "SampleResponse", "SamplingClient",
+    "Session", "SessionSpec", "SpeedSettings", "TrainingClient", "create_session",
+    "create_session_from_state", "datum_from_stream", "is_complete", "loss_metrics",
 ]

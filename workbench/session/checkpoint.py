@@ -1,44 +1,55 @@
-"""Saving and loading session state: safetensors and JSON only, written atomically.
+"""Saving and loading session state: safetensors and JSON only, written atomically, checksummed.
 
 A state folder holds `adapter_model.safetensors` + `adapter_config.json` (PEFT format),
 `optimizer.safetensors` (AdamW moments and step per parameter), `session.json` (base model,
-its weights hash, LoRA settings, optimiser steps) and, written last, `COMPLETE`. Everything is
-written into a temporary sibling folder that is renamed into place, so a folder without
-`COMPLETE` is an interrupted write and is never loaded. Nothing is unpickled.
+its weights hash, LoRA settings, optimiser steps). Every folder written here (states, exports,
+the loop's checkpoints) goes through `atomic_folder`: the files are written into a temporary
+sibling folder, `SHA256SUMS.json` records the sha256 and size of each, `COMPLETE` (written
+last) records the sha256 of that manifest, and the folder is renamed into place. A folder
+without `COMPLETE` is an interrupted write and is never loaded; `verify_folder` names, in one
+line, the first file that is missing, truncated or damaged. Nothing is unpickled.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-if TYPE_CHECKING:
-    from workbench.session.inprocess import ModelHost
+from workbench.session.host import ModelHost, trainer_weights
 
 SESSION_FILE = "session.json"
 COMPLETE = "COMPLETE"
+MANIFEST = "SHA256SUMS.json"  # {"files": {relative path: {"sha256": hex, "size": bytes}}}
+_MARKER = re.compile(r"ok(?: sha256=(?P<digest>[0-9a-f]{64}))?(?: (?:upload=)?[0-9a-f]{32})?")
+"""COMPLETE's content: "ok sha256=<manifest's sha256>"; "ok" alone before checksums; an upload
+to S3 appends its token (storage.put_folder)."""
 
 
 class IncompleteCheckpoint(RuntimeError):
-    """A checkpoint folder without its completion marker or with missing files."""
+    """A checkpoint folder without its completion marker, or with a file missing, truncated or
+    damaged (its message names which, in one line)."""
 
 
 def atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
-    """Run write(tmp_folder), add the COMPLETE marker, then rename tmp -> final."""
+    """Run write(tmp_folder), record every file's sha256 in SHA256SUMS.json, add the COMPLETE
+    marker (with the manifest's sha256), then rename tmp -> final."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         write(tmp)
-        (tmp / COMPLETE).write_text("ok\n")
+        digest = write_checksums(tmp)
+        (tmp / COMPLETE).write_text(f"ok sha256={digest}\n")
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -49,8 +60,117 @@ def atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
 
 
 def is_complete(folder: Path) -> bool:
-    """True when the folder was fully written (its marker exists)."""
+    """True when the folder was fully written (its marker exists); `verify_folder` also checks
+    every file against its recorded sha256."""
     return (Path(folder) / COMPLETE).is_file()
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes (read in 1 MiB chunks)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_checksums(folder: Path) -> str:
+    """Write SHA256SUMS.json for every file under `folder` (nested folders included; the
+    top-level COMPLETE and the manifest itself excluded); returns the manifest's sha256."""
+    folder = Path(folder)
+    files = {}
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if path.is_file() and rel not in (COMPLETE, MANIFEST):
+            files[rel] = {"sha256": file_sha256(path), "size": path.stat().st_size}
+    data = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
+    (folder / MANIFEST).write_bytes(data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def has_checksums(folder: Path) -> bool:
+    """True when the folder carries a SHA256SUMS.json (folders written before checksums do
+    not; `verify_folder` then checks only that JSON parses and safetensors are whole)."""
+    return (Path(folder) / MANIFEST).is_file()
+
+
+def verify_folder(folder: Path) -> str:
+    """The empty string when the folder is complete and every file matches SHA256SUMS.json;
+    else the first problem in one line, e.g. "state/optimizer.safetensors is damaged (sha256
+    mismatch)", "trainer_state.json is truncated (100 of 1534 bytes)", "state/session.json is
+    missing", "incomplete (no COMPLETE marker: an interrupted write)". Files the manifest does
+    not list (a registry's metadata) are not checked."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return "missing (no such folder)"
+    if not (folder / COMPLETE).is_file():
+        return f"incomplete (no {COMPLETE} marker: an interrupted write)"
+    marker = _MARKER.fullmatch((folder / COMPLETE).read_bytes().decode("utf-8", "replace").strip())
+    if marker is None:
+        return f"{COMPLETE} is damaged (not a marker this code writes)"
+    if not (folder / MANIFEST).is_file():
+        if marker["digest"]:
+            return f"{MANIFEST} is missing ({COMPLETE} records its sha256)"
+        return _unchecked_reason(folder)
+    raw = (folder / MANIFEST).read_bytes()
+    if marker["digest"] and hashlib.sha256(raw).hexdigest() != marker["digest"]:
+        return f"{MANIFEST} is damaged (its sha256 differs from the one {COMPLETE} records)"
+    try:
+        files = json.loads(raw)["files"]
+        expected = {str(rel): (str(e["sha256"]), int(e["size"])) for rel, e in files.items()}
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError):
+        return f"{MANIFEST} is damaged (not a manifest of sha256 and size per file)"
+    for rel, (_, size) in expected.items():  # cheap checks first: presence and size
+        path = folder / rel
+        if not path.is_file():
+            return f"{rel} is missing"
+        actual = path.stat().st_size
+        if actual < size:
+            return f"{rel} is truncated ({actual} of {size} bytes)"
+        if actual != size:
+            return f"{rel} is damaged ({actual} bytes, {size} expected)"
+    for rel, (sha, _) in expected.items():
+        if file_sha256(folder / rel) != sha:
+            return f"{rel} is damaged (sha256 mismatch)"
+    return ""
+
+
+def _unchecked_reason(folder: Path) -> str:
+    """A folder from before checksums: every .json parses and every .safetensors file is as
+    long as its header says."""
+    for path in sorted(folder.rglob("*")):
+        rel = path.relative_to(folder).as_posix()
+        if not path.is_file():
+            continue
+        if path.suffix == ".json":
+            try:
+                json.loads(path.read_bytes())
+            except (ValueError, RecursionError):
+                return f"{rel} is damaged (not valid JSON)"
+        elif path.suffix == ".safetensors":
+            reason = _safetensors_reason(path)
+            if reason:
+                return f"{rel} {reason}"
+    return ""
+
+
+def _safetensors_reason(path: Path) -> str:
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 + n:
+                return f"is truncated ({size} bytes, its header alone needs {8 + n})"
+            header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                  default=0)
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError, IndexError):
+        return "is damaged (not a safetensors file)"
+    if size < 8 + n + end:
+        return f"is truncated ({size} of {8 + n + end} bytes)"
+    if size != 8 + n + end:
+        return f"is damaged ({size} bytes, {8 + n + end} expected)"
+    return ""
 
 
 def _lora_dict(host: ModelHost) -> dict | None:
@@ -79,7 +199,7 @@ def _set_weights(host: ModelHost, tensors: dict[str, torch.Tensor], folder: Path
             raise ValueError(f"{folder} lacks weights for {sorted(missing)[:3]}")
         host.lm.model.load_state_dict(tensors, strict=False)
         return
-    result = set_peft_model_state_dict(host.lm.model, tensors)
+    result: Any = set_peft_model_state_dict(host.lm.model, tensors)  # peft: untyped result
     if getattr(result, "unexpected_keys", None):
         raise ValueError(f"unexpected adapter keys in {folder}: {result.unexpected_keys[:3]}")
 
@@ -88,9 +208,7 @@ def export_model(host: ModelHost, folder: Path) -> Path:
     """A full checkpoint (LoRA merged) with its processor: a new base for load_model."""
     import copy
 
-    from workbench.session.inprocess import _with_trainer_weights
-
-    _with_trainer_weights(host)
+    trainer_weights(host)
     model = host.lm.model
     if host.lora is not None:
         model = copy.deepcopy(model).merge_and_unload()
@@ -103,9 +221,7 @@ def export_model(host: ModelHost, folder: Path) -> Path:
 
 def export_adapter(host: ModelHost, folder: Path) -> Path:
     """The trainer's adapter in PEFT format (loads with PeftModel.from_pretrained)."""
-    from workbench.session.inprocess import _with_trainer_weights
-
-    _with_trainer_weights(host)
+    trainer_weights(host)
 
     def write(tmp: Path) -> None:
         _write_adapter(host, tmp)
@@ -127,9 +243,7 @@ def _optimizer_tensors(host: ModelHost) -> tuple[dict[str, torch.Tensor], list[s
 
 def save_state(host: ModelHost, folder: Path) -> Path:
     """Adapter + optimiser + session metadata, atomically."""
-    from workbench.session.inprocess import _with_trainer_weights
-
-    _with_trainer_weights(host)
+    trainer_weights(host)
 
     def write(tmp: Path) -> None:
         _write_adapter(host, tmp)
@@ -147,8 +261,9 @@ REQUIRED = (SESSION_FILE, "optimizer.safetensors")
 
 def _read_state(folder: Path, host: ModelHost, with_optimizer: bool) -> dict:
     """Read and check every file of a state folder before anything is changed."""
-    if not is_complete(folder):
-        raise IncompleteCheckpoint(f"{folder} has no {COMPLETE} marker: not loading it")
+    reason = verify_folder(folder)
+    if reason:
+        raise IncompleteCheckpoint(f"{folder}: {reason}: not loading it")
     weights = FULL_FILE if host.lora is None else ADAPTER_FILE
     needed = [SESSION_FILE, weights] + (["optimizer.safetensors"] if with_optimizer else [])
     missing = [name for name in needed if not (folder / name).is_file()]
@@ -176,10 +291,8 @@ def _check_compatible(meta: dict, host: ModelHost, folder: Path) -> None:
 def load_state(host: ModelHost, folder: Path, with_optimizer: bool = True) -> None:
     """Restore adapter weights (and optimiser state) from a complete state folder; nothing
     changes unless every file is present and readable."""
-    from workbench.session.inprocess import _with_trainer_weights
-
     state = _read_state(Path(folder), host, with_optimizer)
-    _with_trainer_weights(host)
+    trainer_weights(host)
     _set_weights(host, state["weights"], Path(folder))
     host.opt_steps = int(state["meta"]["optimizer_steps"])
     host.weights_id += 1
@@ -204,12 +317,14 @@ def _load_optimizer(host: ModelHost, tensors: dict[str, torch.Tensor], names: li
 
 def load_adapter_weights(host: ModelHost, folder: Path) -> None:
     """Load an exported PEFT adapter into the session's LoRA; refuses another base model and
-    other LoRA settings."""
-    from workbench.session.inprocess import _with_trainer_weights
-
+    other LoRA settings, and a folder of ours (it has COMPLETE) that fails `verify_folder`."""
     folder = Path(folder)
     if host.lora is None:
         raise ValueError("this session has no LoRA to load an adapter into")
+    if is_complete(folder) or has_checksums(folder):  # a plain PEFT folder has neither
+        reason = verify_folder(folder)
+        if reason:
+            raise IncompleteCheckpoint(f"adapter {folder}: {reason}: not loading it")
     meta_file = folder / "workbench_adapter.json"
     if meta_file.exists():
         meta = json.loads(meta_file.read_text())
@@ -225,6 +340,6 @@ def load_adapter_weights(host: ModelHost, folder: Path) -> None:
         raise ValueError(f"adapter {folder} adapts {config['target_modules']!r}, this session "
                          f"{host.lora.target_regex!r} (lora.vision)")
     tensors = load_file(str(folder / ADAPTER_FILE))
-    _with_trainer_weights(host)
+    trainer_weights(host)
     _set_weights(host, tensors, folder)
     host.weights_id += 1

@@ -1,23 +1,16 @@
-"""GPU settings of an in-process model host (the seed's 8B shape on one GPU).
+"""The trainer's GPU fast paths (`SpeedSettings` in session/spec.py switches them on when a host
+is built, `session.host.make_host`):
 
-All off by default and unchanged on the CPU; `configure_gpu(host)` switches on what the field uses
-for a colocated trainer + sampler on one GPU:
+- gradient checkpointing (activations of one layer at a time, recomputed in backward), full or
+  selective (keep matmul and attention outputs, recompute the elementwise ops);
+- torch.compile of each text decoder layer for the update.
 
-- sampler: grouped-query decode attention that reads the KV cache once (`policy.attention`), a KV
-  pool sized for the rollout and decode steps replayed as CUDA graphs (`policy.graphs`), through
-  a merged, fused copy of the text weights (`policy.fused`), optionally torch.compile'd;
-- trainer: gradient checkpointing (activations of one layer at a time, recomputed in backward),
-  the lm_head only on the loss tokens (`ModelHost.loss_tokens_only`) and the LoRA adapters in
-  bf16 under autocast (`ModelHost.lora_autocast`).
-
-    host = make_host("qwen3-vl-8b-shape", LoraSettings(32, 64), dtype=torch.bfloat16,
-                     device="cuda", hash_weights=False)
-    configure_gpu(host, kv_rows=64, kv_tokens=2048)
+The sampler's fast paths (KV pool, CUDA graphs, fused decode weights, GQA decode attention) live
+in `workbench.policy` (graphs, fused, attention).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 
@@ -81,78 +74,3 @@ def compile_for_training(model: Any) -> None:
 
         layer.forward = forward
         layer.compiled_for_training = True
-
-
-@dataclass(frozen=True)
-class GpuSettings:
-    """Speed settings of a GPU host (each can be switched off to measure what it brings)."""
-
-    gqa_decode: bool = True  # one-token steps read each KV head once
-    cuda_graphs: bool = True  # pooled KV + graph-replayed decode steps (eager static steps if off)
-    kv_rows: int = 64  # rows the KV pool is sized for (P x G of a rollout)
-    kv_tokens: int = 2048  # tokens per row the KV pool is sized for (grown if exceeded)
-    bucket: int = 256  # decode attention window granularity (one graph per bucket)
-    fused_decode: bool = True  # decode through merged LoRA + fused projections (policy.fused)
-    compile_decode: bool = False  # torch.compile the fused layer step before capture
-    gradient_checkpointing: bool = True  # recompute each layer's activations in backward
-    selective_checkpointing: bool = False  # ... only its elementwise ops (keep matmul outputs)
-    compile_layers: bool = False  # torch.compile the decoder layers for the update
-    loss_tokens_only: bool = True  # lm_head only where the loss weight is non-zero
-    lora_autocast: bool = True  # adapters in bf16 under autocast in forward(_backward)
-
-
-def configure_gpu(host: Any, settings: GpuSettings = GpuSettings()) -> Any:
-    """Apply `settings` to `host` (a session.inprocess.ModelHost); returns the StaticDecode or
-    None. Call it before the first rollout."""
-    from workbench.policy.attention import use_gqa_decode_attention
-    from workbench.policy.graphs import GraphEngine, make_static_decode
-
-    model = host.lm.model
-    if settings.gqa_decode:
-        use_gqa_decode_attention(model)
-    if settings.gradient_checkpointing:
-        set_checkpointing(model, True, settings.selective_checkpointing)
-    if settings.compile_layers:
-        compile_for_training(model)
-    host.loss_tokens_only = settings.loss_tokens_only
-    host.lora_autocast = settings.lora_autocast
-    static = make_static_decode(model, settings.kv_rows, settings.kv_tokens, settings.bucket,
-                                use_graphs=settings.cuda_graphs and model.device.type == "cuda",
-                                fused=settings.fused_decode, compiled=settings.compile_decode)
-    host.engine = GraphEngine(host.lm, static)
-    return static
-
-
-@dataclass(frozen=True)
-class SpeedSettings:
-    """What a run's config switches on (its keys in brackets); see `apply_speed`."""
-
-    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
-    loss_tokens_only: bool = False  # trainer.loss_tokens_only
-    cuda_graphs: bool = False  # generator.cuda_graphs, on a CUDA device with our sampler
-    kv_rows: int = 64  # rows of a rollout (P x G): the KV pool's size
-    lora_autocast: bool = False  # trainer.lora_autocast
-    selective_checkpointing: bool = False  # trainer.selective_checkpointing
-    compile_layers: bool = False  # trainer.compile_layers
-    fused_decode: bool = True  # generator.fused_decode (with cuda_graphs)
-    compile_decode: bool = False  # generator.compile_decode (with fused_decode)
-
-
-def apply_speed(host: Any, speed: SpeedSettings, trainer: bool = True,
-                sampler: bool = True) -> None:
-    """The trainer switches and/or the sampler's CUDA-graph decode on a host: both in-process,
-    one side in a Ray trainer worker or sampler engine (no KV pool where nothing samples)."""
-    model = host.lm.model
-    if sampler and speed.cuda_graphs and model.device.type == "cuda":
-        configure_gpu(host, GpuSettings(kv_rows=speed.kv_rows, gradient_checkpointing=False,
-                                        loss_tokens_only=host.loss_tokens_only,
-                                        lora_autocast=host.lora_autocast,
-                                        fused_decode=speed.fused_decode,
-                                        compile_decode=speed.compile_decode))
-    if trainer:
-        host.loss_tokens_only = speed.loss_tokens_only
-        host.lora_autocast = speed.lora_autocast
-        if speed.gradient_checkpointing:
-            set_checkpointing(model, True, speed.selective_checkpointing)
-        if speed.compile_layers:
-            compile_for_training(model)

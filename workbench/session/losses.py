@@ -89,6 +89,28 @@ REDUCTIONS: dict[str, Callable[[list[torch.Tensor], list[torch.Tensor]], torch.T
 }
 
 
+def _sum_scales(tokens_B: list[int]) -> list[float]:
+    return [1.0] * len(tokens_B)
+
+
+def _token_mean_scales(tokens_B: list[int]) -> list[float]:
+    return [1.0 / max(sum(tokens_B), 1)] * len(tokens_B)
+
+
+def _sequence_mean_scales(tokens_B: list[int]) -> list[float]:
+    return [1.0 / (len(tokens_B) * max(n, 1)) for n in tokens_B]
+
+
+REDUCTION_SCALES: dict[str, Callable[[list[int]], list[float]]] = {
+    "sum": _sum_scales,
+    "token_mean": _token_mean_scales,
+    "sequence_mean": _sequence_mean_scales,
+}
+"""Each reduction as one weight per datum over the datums' weighted-token counts: the
+"sum" reduction of the scaled weights equals REDUCTIONS[name] of the unscaled ones, over any
+split of the batch (how `rl.phases.global_weights` keeps mini-batches exact)."""
+
+
 def loss_metrics(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg: LossConfig) -> dict[str, float]:
     """KL(sampler || trainer) (k3 estimator), clip fraction, entropy and token count."""
     with torch.no_grad():

@@ -12,7 +12,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
-from workbench._deps import require
+from workbench.deps import require
 from workbench.envs import DIRECTIONS, InitState, MazeConfig, init_maze, render_image
 from workbench.rl.rollout import Episode
 

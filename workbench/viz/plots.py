@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench._deps import require
+from workbench.deps import require
 
 PHASES = ("time/rollout", "time/update", "time/weight_sync")
 

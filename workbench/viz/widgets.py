@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from workbench._deps import require
+from workbench.deps import require
 from workbench.viz.episodes import EpisodeLike, as_record, frame_png, turn_rows
 
 
@@ -215,7 +215,9 @@ def step_inspector(run_dir: str | Path, replay_fn: Callable[..., Any] | None = N
     def replay(_: Any) -> None:
         fn = replay_fn
         if fn is None:
-            from workbench.rl.replay import replay as fn
+            from workbench.rl.replay import replay
+
+            fn = replay
         insp.replay_text.value = f"replaying step {insp.step.value} ..."
         insp.replay_text.value = replay_html(fn(run_dir, insp.step.value))
 

@@ -25,9 +25,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from workbench._deps import require
 from workbench.cluster.connect import prepare_environment
 from workbench.config import PRESETS, apply_overrides
+from workbench.deps import require
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")  # a job in one of these will not change again
 
@@ -45,7 +45,7 @@ def job_client(address: str | None = None) -> Any:
 def project_root() -> Path | None:
     """The folder holding pyproject.toml next to the workbench package (an editable install or
     a checkout); None for an installed wheel (the cluster then needs workbench installed)."""
-    root = Path(__file__).resolve().parents[2]
+    root = Path(__file__).resolve().parents[1]
     return root if (root / "pyproject.toml").is_file() else None
 
 

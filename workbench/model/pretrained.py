@@ -1,0 +1,140 @@
+"""`tiny-sft`: the pretrained tiny policy that `python -m workbench train`, every notebook and the
+demo's GRPO stage start from. Built on first use by a fixed SFT recipe, cached beside the tiny base.
+
+    load_model("tiny-sft")               # builds it the first time (about 4 minutes on 2 cores)
+    python -m workbench train            # model.name defaults to tiny-sft
+    python -m workbench.rl.pretrained    # build (or find) it and print its report
+
+This module finds or starts the build (model layer: `load_model` resolves the name here); the
+build itself is an SFT run, so it lives in `workbench.rl.pretrained` and runs in a child process.
+
+The recipe (`RECIPE`): SFT of the random tiny base ("tiny") with every weight trained, on
+noisy-oracle episodes of held-out 7x7 training mazes (`envs.train_maze`): each turn is the BFS
+oracle's move, or with probability `noise` a random move (into a wall too) that stays in context
+with no loss, so the policy also sees the wall feedback and the way back from a wrong square.
+Then the 64 held-out eval mazes, greedy and sampled, are played and written to `report.json`,
+and one line reports them. The policy it makes solves about half of them: every group of a first
+GRPO step has reward variance, and there is room to climb.
+
+Determinism: the build runs in a child process with fixed seeds, float32 on the CPU, `threads`
+torch threads and the CPU kernels pinned to AVX2 (`PINNED_ENV`: MKL's conditional numerical
+reproducibility, ATen's and oneDNN's instruction sets), so any x86-64 machine with AVX2 and the
+locked stack writes the same bytes; tests/test_pretrained.py pins their sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from workbench.model.tiny import TINY_SFT_NAME, build_atomically
+
+PINNED_ENV: dict[str, str] = {
+    "MKL_CBWR": "AVX2",  # MKL's conditional numerical reproducibility: one code path everywhere
+    "ATEN_CPU_CAPABILITY": "avx2",  # ATen's vectorised kernels (softmax, norms, GELU, ...)
+    "ONEDNN_MAX_CPU_ISA": "AVX2",  # oneDNN (the patch embedding's convolution)
+    "OMP_NUM_THREADS": "2",
+    "MKL_NUM_THREADS": "2",
+}
+"""The child process's environment on top of the caller's: the same kernels on any AVX2 CPU."""
+
+
+@dataclass(frozen=True)
+class PretrainRecipe:
+    """The SFT that makes tiny-sft; every field changes the build hash (and the cache folder)."""
+
+    steps: int = 1000
+    """Optimiser steps."""
+    batch_size: int = 2
+    """Noisy-oracle episodes per step (small batches, many steps)."""
+    learning_rate: float = 3e-4
+    """AdamW step size, constant."""
+    noise: float = 0.2
+    """Chance of a random move per turn (in context, not trained on)."""
+    size: int = 7
+    """Maze side incl. the outer wall (the tiny model merges a 7x7 maze into one token)."""
+    max_turns: int = 15
+    """Turn budget of the episodes (and of the held-out evaluation)."""
+    threads: int = 2
+    """Torch threads of the build (part of the arithmetic: reductions split by thread)."""
+    seed: int = 0
+    """trainer.seed: the training mazes' offset and the data order."""
+    eval_passes: int = 2
+    """Sampled passes per eval maze in the report (T = 1.0)."""
+
+    @property
+    def build_hash(self) -> str:
+        """Names the cache folder: the recipe and the tiny base's own build hash."""
+        from workbench.model.tiny import TinySpec
+
+        text = repr((asdict(self), TinySpec().build_hash))
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def overrides(self) -> list[str]:
+        """The run config of the build: the tiny preset with these settings."""
+        return [
+            "model.name=tiny", f"env.size={self.size}", f"generator.max_turns={self.max_turns}",
+            f"sft.steps={self.steps}", f"sft.batch_size={self.batch_size}",
+            f"sft.learning_rate={self.learning_rate}", f"sft.noise={self.noise}",
+            "sft.full_finetune=true", f"trainer.seed={self.seed}", "eval.n_mazes=64",
+            "eval.greedy=true", f"eval.sampled_passes={self.eval_passes}",
+            "eval.temperature=1.0",
+        ]
+
+
+RECIPE = PretrainRecipe()
+
+
+def tiny_sft_path(recipe: PretrainRecipe = RECIPE, root: str | Path | None = None,
+                  log: Any = print) -> Path:
+    """The tiny-sft folder, built on first use (in a child process, atomically: temp folder,
+    then rename) and reported in one line when built."""
+    from workbench.model.tiny import cache_root
+
+    root = Path(root) if root is not None else cache_root()
+    final = root / "models" / f"{TINY_SFT_NAME}-{recipe.build_hash}"
+    if (final / "report.json").exists():
+        return final
+    log(f"building {TINY_SFT_NAME} (once; {recipe.steps} SFT steps on held-out "
+        f"{recipe.size}x{recipe.size} training mazes, then the held-out evaluation) ...")
+    build_atomically(final, lambda tmp: _build_in_child(tmp, recipe, root))
+    log(describe(read_report(final)) + f" -> {final}")
+    return final
+
+
+def _build_in_child(folder: Path, recipe: PretrainRecipe, root: Path) -> None:
+    """`build` in a child process with PINNED_ENV; its stderr tail if it fails."""
+    env = os.environ | PINNED_ENV | {"WORKBENCH_CACHE": str(root)}
+    env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(recipe.threads)
+    done = subprocess.run(
+        [sys.executable, "-m", "workbench.rl.pretrained", "--build", str(folder),
+         json.dumps(asdict(recipe))], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"building {TINY_SFT_NAME} failed (exit {done.returncode}):\n"
+                           f"{done.stderr[-3000:]}")
+
+
+def read_report(folder: str | Path) -> dict[str, Any]:
+    """The build report of a tiny-sft folder: recipe, held-out results, seconds, sha256."""
+    return json.loads((Path(folder) / "report.json").read_text())
+
+
+def describe(report: dict[str, Any]) -> str:
+    """One line: how long the build took and what the policy solves on the held-out set."""
+    g, s = report["greedy"], report["sampled"]
+    n = g["n_mazes"]
+    return (f"{TINY_SFT_NAME}: built in {report['seconds'] / 60:.1f} min; held-out greedy "
+            f"{g['solved']:.1f}/{n} ({100 * g['success_rate']:.1f}%), sampled {s['solved']:.1f}/{n}"
+            f" ({100 * s['success_rate']:.1f}%, {s['episodes_per_maze']} passes at T=1), "
+            f"ceiling {g['ceiling']}/{n}")
+
+
+def weights_sha256(folder: str | Path) -> str:
+    """sha256 of the folder's model.safetensors (what the determinism test pins)."""
+    return hashlib.sha256((Path(folder) / "model.safetensors").read_bytes()).hexdigest()

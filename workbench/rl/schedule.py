@@ -1,0 +1,33 @@
+"""What a GRPO step trains on, as functions of the config and the step: its learning rate, its
+mazes and its sampling seed. A resumed or replayed run sees exactly the same data.
+"""
+
+from __future__ import annotations
+
+import math
+
+from workbench.config import RunConfig
+from workbench.envs import InitState, train_states
+
+
+def learning_rate(config: RunConfig, step: int) -> float:
+    """LR of a 1-based step: constant, or linear warm-up then cosine to zero."""
+    t = config.trainer
+    if t.lr_schedule == "constant":
+        return t.learning_rate
+    if step <= t.warmup_steps:
+        return t.learning_rate * step / max(t.warmup_steps, 1)
+    progress = (step - t.warmup_steps) / max(t.total_steps - t.warmup_steps, 1)
+    return t.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def step_mazes(config: RunConfig, step: int) -> list[InitState]:
+    """The P training mazes of a 1-based step: training mazes (step - 1) * P, ... (plus the
+    trainer seed's offset), never a task of the eval set (`envs.train_maze`)."""
+    P = config.trainer.train_batch_size
+    return train_states(config.env.size, (step - 1) * P + config.trainer.seed * 100_000_000, P)
+
+
+def step_seed(config: RunConfig, step: int) -> int:
+    """Sampling seed of a step."""
+    return config.trainer.seed * 1_000_003 + step

@@ -1,0 +1,304 @@
+"""A model host and the functions over it: the whole behaviour of a session.
+
+    host = make_host(SessionSpec(model="tiny", lora=LoraSettings(rank=8)))
+    out = forward(host, datums, "ppo", LossConfig(), backward=True)
+    optim_step(host, AdamParams(learning_rate=3e-4))
+    version = save_version(host)                      # a sampler weights version
+    use_version(host, version); play(host, loop, task, states_P, n, params, seed)
+
+Both backends call these functions: the in-process `Session` on its worker thread, the Ray
+trainer workers and sampler engines inside their actors (`workbench.cluster.workers`). A host
+holds the policy, its optimiser, the sampler engine and the sampler weight versions; the trainer's
+own weights are parked aside (`ModelHost.parked`) while a sampler version is loaded.
+
+The episode loop is not the host's: `play` runs a loop handed in by the caller (`rl.rollout`'s
+`play_episodes`, over any environment that follows `envs.protocol`) beside the sampler.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
+from workbench.model.lora import lora_in_model_dtype
+from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
+from workbench.policy.engine import Engine
+from workbench.policy.engines import make_engine
+from workbench.policy.forward import token_logprobs
+from workbench.session.losses import LOSSES, REDUCTIONS, LossConfig, loss_metrics
+from workbench.session.spec import SessionSpec, SpeedSettings
+from workbench.session.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardOutput,
+    OptimStepOutput,
+    SampleResponse,
+)
+
+KEEP_VERSIONS = 4  # sampler weight snapshots kept besides the newest
+
+
+@dataclass
+class ModelHost:
+    """Everything a session's worker owns: policy, optimiser, sampler weight versions."""
+
+    lm: LoadedModel  # lm.model is the peft-wrapped policy (or the bare model: full fine-tuning)
+    fmt: ChatFormat
+    lora: LoraSettings | None  # None = full fine-tuning (every parameter trains)
+    base_hash: str  # sha256 of the base weights (adapters refuse other bases)
+    workdir: Path
+    optimizer: torch.optim.Optimizer
+    engine: Engine  # draws samples (generator.engine); follows the sampler versions below
+    speed: SpeedSettings = field(default_factory=SpeedSettings)
+    static: Any = None  # the CUDA-graph decode state (policy.graphs.StaticDecode), if built
+    opt_steps: int = 0
+    weights_id: int = 0  # bumps whenever the trainable weights change
+    versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    parked: dict[str, torch.Tensor] | None = None  # the trainer's weights while a version is in
+    loaded_version: int | None = None  # which snapshot is in the model (None = trainer's)
+
+    @property
+    def pad_id(self) -> int:
+        return self.lm.processor.tokenizer.pad_token_id
+
+    def trainable(self) -> dict[str, torch.nn.Parameter]:
+        return {n: p for n, p in self.lm.model.named_parameters() if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------- building a host
+
+def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> ModelHost:
+    """Load the base, hash it (trainer hosts: adapters and states refuse other bases), wrap it in
+    LoRA (spec.lora None: train all weights), make the optimiser and the sampler engine, and
+    switch on the spec's fast paths for the sides this host plays (a Ray trainer worker: trainer
+    only; a sampler engine: sampler only; in-process: both)."""
+    lm = load_model(spec.model, dtype=spec.torch_dtype, device=spec.device)
+    base_hash = weights_hash(lm.model) if trainer else ""
+    if spec.lora is not None:
+        lm.model = add_lora(lm.model, spec.lora).eval()
+    params = [p for p in lm.model.parameters() if p.requires_grad]
+    adapters = Path(spec.workdir) / "sampler_adapters" / str(os.getpid())  # one per process
+    host = ModelHost(
+        lm=lm, fmt=chat_format(lm.processor), lora=spec.lora, base_hash=base_hash,
+        # fused: one kernel over all parameters, 14x faster than the per-tensor loop on 2 cores
+        workdir=Path(spec.workdir), optimizer=torch.optim.AdamW(params, lr=1e-4, fused=True),
+        engine=make_engine(spec.engine, lm, spec.lora.rank if spec.lora else None, adapters),
+        speed=spec.speed,
+    )
+    if trainer:
+        _trainer_fast_paths(host, spec.speed)
+    if sampler and spec.speed.cuda_graphs and spec.engine.name == "transformers" \
+            and lm.model.device.type == "cuda":
+        _sampler_fast_paths(host, spec.speed)
+    return host
+
+
+def _trainer_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
+    from workbench.session.gpu import compile_for_training, set_checkpointing
+
+    if speed.gradient_checkpointing:
+        set_checkpointing(host.lm.model, True, speed.selective_checkpointing)
+    if speed.compile_layers:
+        compile_for_training(host.lm.model)
+
+
+def _sampler_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
+    from workbench.policy.attention import use_gqa_decode_attention
+    from workbench.policy.graphs import GraphEngine, make_static_decode
+
+    if speed.gqa_decode:
+        use_gqa_decode_attention(host.lm.model)
+    host.static = make_static_decode(host.lm.model, speed.kv_rows, speed.kv_tokens, speed.bucket,
+                                     use_graphs=True, fused=speed.fused_decode,
+                                     compiled=speed.compile_decode)
+    host.engine = GraphEngine(host.lm, host.static)
+
+
+def speed_metrics(host: ModelHost) -> dict[str, float]:
+    """`speed/*`: 1.0 for each fast path this host runs, 0.0 for one that fell back (its
+    warning said why); nothing for paths that were never asked for."""
+    static = host.static
+    if static is None:
+        return {}
+    out = {"speed/cuda_graphs": float(static.use_graphs)}
+    if host.speed.compile_decode:
+        out["speed/compile_decode"] = float(not static.compile_error)
+    return out
+
+
+def describe_host(host: ModelHost) -> dict[str, Any]:
+    """Model source, base hash, LoRA settings, fast paths (for manifests)."""
+    lora = asdict(host.lora) if host.lora else None
+    return {"model": host.lm.source, "model_path": host.lm.path,
+            "base_weights_sha256": host.base_hash, "lora": lora, "speed": asdict(host.speed)}
+
+
+def trainable_bytes(host: ModelHost) -> int:
+    """Bytes of the trainable tensors (what a weight sync sends)."""
+    return sum(p.numel() * p.element_size() for p in host.trainable().values())
+
+
+# ------------------------------------------------------------------- sampler weight versions
+
+def trainer_weights(host: ModelHost) -> None:
+    """Put the trainer's own weights back into the model (after a sampler version was in)."""
+    if host.loaded_version is not None:
+        if host.parked is not None:
+            _copy_in(host, host.parked)
+        host.parked, host.loaded_version = None, None
+
+
+def _copy_in(host: ModelHost, tensors: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, p in host.trainable().items():
+            p.copy_(tensors[name])
+
+
+def snapshot(host: ModelHost) -> dict[str, torch.Tensor]:
+    """A copy of the trainable tensors as they are in the model now."""
+    return {n: p.detach().clone() for n, p in host.trainable().items()}
+
+
+def use_version(host: ModelHost, version: int) -> None:
+    """Sample from version `version`: its weights go into the model (the trainer's are parked)
+    and the engine is told."""
+    _load_version(host, version)
+    host.engine.use_version(version)
+
+
+def _load_version(host: ModelHost, version: int) -> None:
+    trainer_current = host.loaded_version is None and version == host.weights_id
+    if host.loaded_version == version or trainer_current:
+        return
+    if version not in host.versions:
+        raise KeyError(f"sampler version {version} was dropped (only the last "
+                       f"{KEEP_VERSIONS + 1} are kept); get a new sampling client")
+    if host.loaded_version is None:  # the trainer's weights are in the model: park them
+        host.parked = snapshot(host)
+    _copy_in(host, host.versions[version])
+    host.loaded_version = version
+
+
+def save_version(host: ModelHost) -> int:
+    """Snapshot the trainer's weights as sampler version `host.weights_id`; returns it."""
+    trainer_weights(host)
+    host.versions[host.weights_id] = snapshot(host)
+    host.engine.add_version(host.weights_id, host.lm.model)
+    _prune_versions(host, host.weights_id)
+    return host.weights_id
+
+
+def _prune_versions(host: ModelHost, newest: int) -> None:
+    for old in [v for v in host.versions if v < newest - KEEP_VERSIONS]:
+        del host.versions[old]  # bounded memory: recent sampler versions only
+        host.engine.drop_version(old)
+
+
+def install_version(host: ModelHost, version: int, tensors: dict[str, torch.Tensor]) -> None:
+    """A sampler-only host receives version `version` from the trainer and loads it."""
+    host.versions[version] = tensors
+    _copy_in(host, tensors)
+    host.loaded_version = version
+    host.engine.add_version(version, host.lm.model)
+    _prune_versions(host, max(host.versions))
+
+
+# ------------------------------------------------------------------------------- the sampler
+
+def sample(host: ModelHost, prompt: Stream, num_samples: int, params: SamplingParams,
+           seed: int) -> SampleResponse:
+    """num_samples replies to one prompt from the loaded version."""
+    gen = torch.Generator().manual_seed(seed)
+    done = host.engine.open([prompt], num_samples).decode(params, gen)
+    return SampleResponse(sequences=done)
+
+
+def compute_logprobs(host: ModelHost, prompt: Stream, temperature: float) -> list[float]:
+    """Per-token log-probs of the prompt's own tokens under the loaded version."""
+    with torch.no_grad():
+        logp, _ = token_logprobs(host.lm.model, [prompt], temperature, host.fmt.banned,
+                                 host.pad_id)
+    return logp[0].tolist()
+
+
+class EpisodeLoop(Protocol):
+    """Plays n episodes from each initial state of a task with an engine: episodes_P_G. The
+    session runs it beside the sampler without knowing the task (`rl.rollout.play_episodes`)."""
+
+    def __call__(self, lm: LoadedModel, engine: Engine, task: Any, init_states_P: list[Any],
+                 n: int, params: SamplingParams, seed: int) -> list[list[Any]]: ...
+
+
+def play(host: ModelHost, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
+         params: SamplingParams, seed: int) -> list[list[Any]]:
+    """Run the episode loop over the loaded version: episodes_P_G."""
+    return loop(host.lm, host.engine, task, init_states_P, n, params, seed)
+
+
+# ------------------------------------------------------------------------------- the trainer
+
+def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
+            backward: bool) -> ForwardBackwardOutput:
+    """Loss, metrics and trainer log-probs of the datums; with backward, gradients accumulate."""
+    if loss_fn not in LOSSES:
+        raise ValueError(f"unknown loss_fn {loss_fn!r}; choose one of {sorted(LOSSES)}")
+    trainer_weights(host)
+    model = host.lm.model
+    model.train(backward)
+    with torch.set_grad_enabled(backward), lora_in_model_dtype(model, host.speed.lora_autocast):
+        streams = [d.stream for d in datums]
+        keep = [[w != 0 for w in d.weights_T] for d in datums] \
+            if host.speed.loss_tokens_only else None
+        logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
+                                           host.pad_id, keep)
+        device = logp_B_T[0].device  # the side tables go where the model is (cuda on GPU)
+        sampler_B_T = [torch.tensor(s.logprobs_T, device=device) for s in streams]
+        adv_B_T = [torch.tensor(d.advantages_T, device=device) for d in datums]
+        w_B_T = [torch.tensor(d.weights_T, device=device) for d in datums]
+        # Observation tokens (weight 0) may be banned for sampling (-inf): keep them out of
+        # the arithmetic, since 0 * -inf is nan.
+        logp_B_T = [torch.where(w != 0, lp, torch.zeros_like(lp)) for lp, w in zip(logp_B_T, w_B_T)]
+        loss_B_T = [LOSSES[loss_fn](lp, sp, a, w, cfg)
+                    for lp, sp, a, w in zip(logp_B_T, sampler_B_T, adv_B_T, w_B_T)]
+        loss = REDUCTIONS[cfg.reduction](loss_B_T, w_B_T)
+        if backward:
+            loss.backward()
+    model.eval()
+    detached = [lp.detach() for lp in logp_B_T]
+    metrics = {"loss": float(loss.detach())} | loss_metrics(detached, sampler_B_T, w_B_T,
+                                                   [e.detach() for e in ent_B_T], cfg)
+    return ForwardBackwardOutput(float(loss.detach()), metrics, [lp.tolist() for lp in detached])
+
+
+def optim_step(host: ModelHost, adam: AdamParams) -> OptimStepOutput:
+    """Clip the global grad norm, step AdamW with `adam`, zero the gradients."""
+    trainer_weights(host)
+    params = list(host.trainable().values())
+    max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    for group in host.optimizer.param_groups:
+        group.update(lr=adam.learning_rate, betas=(adam.beta1, adam.beta2), eps=adam.eps,
+                     weight_decay=adam.weight_decay)
+    host.optimizer.step()
+    host.optimizer.zero_grad(set_to_none=True)
+    host.opt_steps += 1
+    host.weights_id += 1
+    return OptimStepOutput(step=host.opt_steps, grad_norm=grad_norm,
+                           learning_rate=adam.learning_rate)
+
+
+def grad_squares(host: ModelHost) -> dict[str, float]:
+    """Squared gradient norm of each trainable parameter (those with a gradient)."""
+    return {name: float(p.grad.detach().double().pow(2).sum())
+            for name, p in host.trainable().items() if p.grad is not None}
+
+
+def zero_grads(host: ModelHost) -> None:
+    """Drop the accumulated gradients (an inspection that must not step)."""
+    host.optimizer.zero_grad(set_to_none=True)
+
