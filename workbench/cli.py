@@ -22,6 +22,7 @@ import sys
 
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys
 from workbench.registry import ForeignBaseError, RegistryError
+from workbench.rl.replay import ReplayError
 from workbench.storage import StorageError
 
 
@@ -229,7 +230,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse argv and run the chosen command; config errors print one clear line."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:  # overrides after an option (`eval m=x --adapter A env.size=5`) keep their order
+        args.overrides = list(args.overrides) + extra
     try:
         args.func(args)
     except ConfigError as err:
@@ -238,6 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConnectionError as err:  # Ray unreachable, wrong versions, missing auth token
         print(f"connection error: {err}", file=sys.stderr)
         sys.exit(3)
-    except (StorageError, RegistryError, ForeignBaseError) as err:  # S3, registry, other base
+    except (StorageError, RegistryError, ForeignBaseError, ReplayError) as err:  # S3, registry,
+        # another base, a step without a record: one line each
         print(f"error: {err}", file=sys.stderr)
         sys.exit(4)

@@ -15,7 +15,8 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from workbench.config import RunConfig
+from workbench.config import ConfigError, RunConfig
+from workbench.model.load import model_name_problem
 from workbench.model.lora import LoraSettings
 from workbench.policy.engine import EngineSettings
 from workbench.session.protocols import SessionLike
@@ -61,6 +62,14 @@ def session_spec(config: RunConfig, workdir: str | Path, full_finetune: bool = F
         workdir=str(workdir), dtype=config.model.dtype, device=config.model.device,
         engine=EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns),
         speed=speed_settings(config), cluster=cluster_spec(config))
+
+
+def check_model(name: str) -> None:
+    """ConfigError in one line when model.name cannot be loaded (a path that does not exist),
+    before a run folder is touched; hub ids are left to the hub."""
+    problem = model_name_problem(name)
+    if problem:
+        raise ConfigError(f"model.name: {problem}")
 
 
 def open_session(spec: SessionSpec, log: Callable[[str], Any] = print) -> SessionLike:

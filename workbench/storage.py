@@ -444,6 +444,9 @@ def open_run_dir(run_dir: str, resume_mode: str, endpoint_url: str = "", local_d
     intact checkpoint, raise RunFolderExists unless overwrite (trainer.overwrite), which lists
     what is removed in one line and empties the prefix."""
     if not is_s3(run_dir):
+        if Path(run_dir).exists() and not Path(run_dir).is_dir():
+            raise StorageError(f"run_dir {run_dir} is a file, not a folder: choose another "
+                               "run_dir")
         return Path(run_dir)
     store, local = open_store(run_dir, endpoint_url), working_copy_path(run_dir, local_dir)
     if not store.prefix:

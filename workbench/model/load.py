@@ -12,6 +12,7 @@ passed through unchanged (transformers resolves it); tests and CI only use folde
 from __future__ import annotations
 
 import hashlib
+import re
 from pathlib import Path
 
 import torch
@@ -20,6 +21,26 @@ from workbench.model.loaded import LoadedModel
 from workbench.model.tiny import TINY_NAME, TINY_SFT_NAME, tiny_path
 
 __all__ = ["LoadedModel", "load_model", "resolve_model_path", "weights_hash"]
+
+
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""What a hub id looks like: organisation/name, one slash, no path prefix."""
+
+
+def model_name_problem(name: str) -> str:
+    """"" when `name` can be loaded (tiny, tiny-sft, a shape of presets.SHAPES, an existing
+    folder, or something shaped like a hub id), else the one-line reason: a path that does not
+    exist is said to be one, instead of being sent to the hub as a repo id."""
+    from workbench.model.presets import SHAPES
+
+    if name in (TINY_NAME, TINY_SFT_NAME) or name in SHAPES or Path(name).expanduser().is_dir():
+        return ""
+    if Path(name).expanduser().exists():
+        return f"{name} is a file, not a checkpoint folder"
+    if HUB_ID.fullmatch(name) and not name.startswith((".", "~")):
+        return ""
+    return (f"no checkpoint folder {name} (model.name takes tiny, tiny-sft, a checkpoint folder "
+            "or a hub id such as Qwen/Qwen3-VL-8B-Instruct)")
 
 
 def resolve_model_path(name_or_path: str) -> str:
@@ -44,6 +65,9 @@ def load_model(
     `workbench.model.presets.SHAPES` builds that shape with random weights on `device`."""
     from workbench.model.presets import SHAPES, build_random
 
+    problem = model_name_problem(name_or_path)
+    if problem:
+        raise FileNotFoundError(problem)
     if name_or_path in SHAPES:
         lm = build_random(name_or_path, dtype=dtype, device=device)
         lm.model.set_attn_implementation(attn_implementation)

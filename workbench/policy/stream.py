@@ -67,6 +67,11 @@ class Stream:
     def __len__(self) -> int:
         return len(self.tokens_T)
 
+    def __repr__(self) -> str:
+        """One line (the tables and pixels stay out of a notebook's output)."""
+        return (f"Stream(T={len(self.tokens_T)} tokens, {sum(self.loss_mask_T)} sampled, "
+                f"{len(self.images)} images)")
+
     def reply_index_T(self) -> list[int]:
         """Per token, the index of the reply (a run of loss-mask tokens: one per turn of a
         rollout) it belongs to; -1 for tokens outside the replies."""

@@ -13,10 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from workbench.config import RunConfig
+from workbench.config import ConfigError, RunConfig
 from workbench.envs import eval_set
 from workbench.model import LoraSettings
-from workbench.opener import open_session, session_spec
+from workbench.opener import check_model, open_session, session_spec
 from workbench.rl import phases
 
 
@@ -37,7 +37,11 @@ def evaluate_model(config: RunConfig, model: str = "", adapter: str | Path = "",
     from workbench.registry import check_base, fetch_adapter, read_adapter_meta
 
     model = model or config.model.name
+    check_model(model)
     folder = fetch_adapter(adapter, config.storage.endpoint_url) if adapter else None
+    if folder is not None and not (Path(folder) / "adapter_config.json").is_file():
+        raise ConfigError(f"adapter {adapter}: not an adapter folder (no adapter_config.json; "
+                          "exports/global_step_N of a run, or s3://.../adapters/NAME)")
     workdir = Path(config.run_dir) / f"eval-{Path(str(adapter or model)).name}"
     spec = session_spec(config, workdir, model=model)
     if folder:  # the adapter's own shape (without one, the config's LoRA: zero-initialised B)

@@ -42,6 +42,13 @@ class RolloutRecord:
     seed: int
     seconds: float
 
+    def __repr__(self) -> str:
+        """One line (episodes hold token streams and pixels: print `.flat[k]` for one)."""
+        P, G = len(self.episodes_P_G), len(self.episodes_P_G[0]) if self.episodes_P_G else 0
+        solved = sum(ep.success for ep in self.flat)
+        return (f"RolloutRecord(P={P} x G={G} episodes, {solved} solved, temperature "
+                f"{self.params.temperature}, seed {self.seed}, {self.seconds:.1f} s)")
+
     @property
     def flat(self) -> list[Episode]:
         return [ep for group in self.episodes_P_G for ep in group]
@@ -63,6 +70,11 @@ def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: i
             params: SamplingParams, seed: int) -> RolloutRecord:
     """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
     client's weights version."""
+    if any(isinstance(s, int | str) for s in states_P):
+        raise TypeError(f"states_P must be initial states (e.g. eval_set(7, 8) or "
+                        f"step_mazes(config, 1)), not {type(states_P[0]).__name__}s such as "
+                        f"{states_P[0]!r}: a maze seed becomes a state with train_states or "
+                        "eval_set")
     start = time.perf_counter()
     episodes = sampler.play(play_episodes, config, states_P, n, params, seed).result()
     return RolloutRecord(episodes, params, seed, time.perf_counter() - start)
@@ -131,6 +143,10 @@ def advantages(rewards_P_G: np.ndarray, estimator: str = "grpo",
     (`step_advantages`)."""
     if estimator not in ADVANTAGES:
         raise ValueError(f"unknown estimator {estimator!r}; choose one of {sorted(ADVANTAGES)}")
+    if not isinstance(rewards_P_G, np.ndarray) or rewards_P_G.ndim != 2:
+        hint = ": pass score(ro).rewards_P_G" if isinstance(rewards_P_G, ScoreRecord) else ""
+        raise TypeError(f"advantages takes rewards_P_G, a (P, G) numpy array, not "
+                        f"{type(rewards_P_G).__name__}{hint}")
     flat_P = np.all(rewards_P_G == rewards_P_G[:, :1], axis=1)
     adv_P_G = ADVANTAGES[estimator](rewards_P_G)
     adv_P_G[flat_P] = 0.0

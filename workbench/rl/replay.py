@@ -69,11 +69,34 @@ def _update_from_record(training_client, folder: Path, config: RunConfig) -> dic
             "update/datums": up.datums}
 
 
+class ReplayError(ValueError):
+    """A step that cannot be replayed from this run folder (no record of it or before it)."""
+
+
+def recorded_steps(run_dir: Path) -> list[int]:
+    """The steps whose record (steps/step_N/) the run kept, in order."""
+    return sorted(int(p.name.removeprefix("step_")) for p in (run_dir / "steps").glob("step_*")
+                  if p.name.removeprefix("step_").isdigit() and (p / "episodes.json").is_file())
+
+
+def check_replayable(run_dir: Path, step: int) -> None:
+    """Raise ReplayError in one line unless the run folder has step `step` and every step
+    between its checkpoint and it."""
+    if not (run_dir / "config.json").is_file():
+        raise ReplayError(f"{run_dir} is not a run folder (no config.json)")
+    steps = recorded_steps(run_dir)
+    if step not in steps:
+        kept = f"steps {steps[0]}..{steps[-1]}" if steps else "no step records"
+        raise ReplayError(f"{run_dir} has no record of step {step} ({kept} in steps/; "
+                          "trainer.keep_step_records keeps them)")
+
+
 def replay(run_dir: str | Path, step: int) -> ReplayResult:
     """Reproduce step `step`'s update from its record and the state before it, with the torch
     thread count the run trained with (manifest.json): CPU matmuls split their sums by thread,
     so another count changes the last bits."""
     run_dir = Path(run_dir)
+    check_replayable(run_dir, step)
     threads = json.loads((run_dir / "manifest.json").read_text()).get("torch_threads")
     before = torch.get_num_threads()
     torch.set_num_threads(threads or before)

@@ -52,6 +52,13 @@ class Episode:
     success: bool = False  # solved under the config's reward rule
     stream: Stream | None = None  # token stream (model policies only)
 
+    def __repr__(self) -> str:
+        """One line: outcome, turns, the first replies, the path's ends."""
+        replies = ", ".join(repr(r) for r in self.replies[:4]) + (", ..." if self.turns > 4 else "")
+        path = f"{self.positions[0]} -> {self.positions[-1]}" if self.positions else "-"
+        return (f"Episode({'solved' if self.success else 'failed'}, {self.turns} turns, reward "
+                f"{self.reward:g}, replies [{replies}], {path})")
+
     @property
     def turns(self) -> int:
         """Replies taken."""

@@ -105,8 +105,9 @@ def run_sft(config: Any, log: Any = print) -> Path:
     from workbench import run as rundir
     from workbench import storage
     from workbench.config import ConfigError, to_dict
-    from workbench.opener import open_session, session_spec
+    from workbench.opener import check_model, open_session, session_spec
 
+    check_model(config.model.name)
     if storage.is_s3(config.run_dir):
         raise ConfigError(f"run_dir={config.run_dir}: sft writes a local folder, not s3://")
     run_dir = Path(config.run_dir)

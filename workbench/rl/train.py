@@ -25,7 +25,7 @@ from workbench import storage
 from workbench.config import RunConfig, to_dict
 from workbench.envs import eval_set
 from workbench.envs.rewards import REWARDS
-from workbench.opener import open_session, session_spec
+from workbench.opener import check_model, open_session, session_spec
 from workbench.policy import SamplingParams, Stream
 from workbench.rl import phases
 from workbench.rl.checkpoints import (
@@ -63,6 +63,7 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     checkpoint's weights, optimiser, step and RNG states and drops the metric rows logged after
     it; every start writes its config to config.json; a fresh run writes manifest.json and,
     when trainer.ckpt_interval > 0, its step-0 checkpoint."""
+    check_model(config.model.name)  # a missing model folder: one line, no run folder touched
     run = open_run(config, log)
     run_dir = run.run_dir
     session = open_session(session_spec(config, run_dir), log)

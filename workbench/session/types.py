@@ -16,6 +16,12 @@ class Datum:
     advantages_T: tuple[float, ...]
     weights_T: tuple[float, ...]
 
+    def __repr__(self) -> str:
+        """One line: length, weighted tokens, the advantage range."""
+        weighted = [a for a, w in zip(self.advantages_T, self.weights_T) if w != 0]
+        span = f"[{min(weighted):+.3g}, {max(weighted):+.3g}]" if weighted else "none"
+        return f"Datum(T={len(self.stream)}, {len(weighted)} weighted tokens, advantages {span})"
+
     def __post_init__(self) -> None:
         T = len(self.stream)
         if len(self.advantages_T) != T or len(self.weights_T) != T:
