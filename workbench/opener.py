@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +99,9 @@ def write_spec(spec: SessionSpec) -> Path:
 def read_spec(workdir: str | Path) -> SessionSpec:
     """The SessionSpec a session in `workdir` was opened with."""
     data = json.loads((Path(workdir) / SPEC_FILE).read_text())
-    lora_fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in (data["lora"] or {}).items()}
-    lora = data["lora"] and LoraSettings(**lora_fields)
-    return SessionSpec(model=data["model"], lora=lora or None, workdir=data["workdir"],
+    return SessionSpec(model=data["model"], lora=LoraSettings.from_dict(data["lora"]),
+                       workdir=data["workdir"],
                        dtype=data["dtype"], device=data["device"],
                        engine=EngineSettings(**data["engine"]),
                        speed=SpeedSettings(**data["speed"]), cluster=ClusterSpec(**data["cluster"]))
 
-
-def in_process(spec: SessionSpec) -> SessionSpec:
-    """The same session in this process (replay, inspection: the gradients stay here)."""
-    return replace(spec, cluster=ClusterSpec())

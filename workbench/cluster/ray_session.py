@@ -132,13 +132,17 @@ class RayTrainingClient:
     def _workers(self) -> list:
         return self._session.trainers
 
+    def _shards(self, datums: list[Datum]) -> tuple[list[list[Datum]], list[int]]:
+        """Each worker's slice of the datums and its real size (fsdp's collectives need every
+        worker to run a forward: an empty slice gets a zero-weight datum)."""
+        if self._session.strategy == "fsdp":
+            return padded_shards(datums, len(self._workers))
+        shards = split_B(datums, len(self._workers))
+        return shards, [len(s) for s in shards]
+
     def _spread(self, datums: list[Datum], loss_fn: str, cfg: LossConfig,
                 backward: bool) -> Future:
-        if self._session.strategy == "fsdp":  # collectives: every worker runs a forward
-            shards, sizes = padded_shards(datums, len(self._workers))
-        else:
-            shards = split_B(datums, len(self._workers))
-            sizes = [len(s) for s in shards]
+        shards, sizes = self._shards(datums)
         refs = [w.forward.remote(s, loss_fn, cfg, backward) for w, s in zip(self._workers, shards)]
         return gather(refs, lambda outs: merge_outputs(outs, sizes))
 
@@ -212,8 +216,7 @@ class RayTrainingClient:
         """Squared gradient norm per parameter for these datums (every worker's slice, summed
         over the workers), without stepping -> Future[dict[str, float]] (rank 0's)."""
         cfg = loss_fn_config or LossConfig()
-        shards = padded_shards(datums, len(self._workers))[0] \
-            if self._session.strategy == "fsdp" else split_B(datums, len(self._workers))
+        shards, _ = self._shards(datums)
         refs = [w.grad_squares.remote(s, loss_fn, cfg) for w, s in zip(self._workers, shards)]
         return gather(refs, lambda r: r[0])
 

@@ -36,7 +36,7 @@ from workbench.envs.rewards import REWARDS, episode_reward, format_fraction
 from workbench.envs.state import FIRST_TRAIN_SEED, InitState, init_maze, init_state_of
 
 __all__ = ["FEEDBACK_OK", "FEEDBACK_WALL", "FIRST_TRAIN_SEED", "InitState", "MazeConfig",
-           "MazeEnv", "budget_text", "init_maze", "init_state_of", "system_prompt"]
+           "MazeEnv", "budget_text", "init_maze", "init_state_of", "rules_text", "system_prompt"]
 
 
 class _PlainEnv:
@@ -135,15 +135,21 @@ _GRAMMAR_TEXT: dict[str, str] = {
 }
 
 
+def rules_text(where: str, observation: str, reward: str, grammar: str, max_turns: int) -> str:
+    """A grid task's system prompt: where the agent is, what it sees, the goal rule, the reply
+    grammar and the turn limit (the maze's and the room's)."""
+    return "\n".join((
+        f"{where} " + _OBSERVATION_TEXT[observation],
+        _RULE_TEXT[reward],
+        _GRAMMAR_TEXT[grammar],
+        f"You have at most {max_turns} turns; each reply is one turn.",
+    ))
+
+
 def system_prompt(config: MazeConfig) -> str:
     """The rules shown to the model: goal, what it sees, the reply grammar and the turn limit."""
-    return "\n".join((
-        f"You are navigating a {config.size}x{config.size} maze. "
-        + _OBSERVATION_TEXT[config.observation],
-        _RULE_TEXT[config.reward],
-        _GRAMMAR_TEXT[config.grammar],
-        f"You have at most {config.max_turns} turns; each reply is one turn.",
-    ))
+    return rules_text(f"You are navigating a {config.size}x{config.size} maze.",
+                      config.observation, config.reward, config.grammar, config.max_turns)
 
 
 def _move(maze: Maze, pos: tuple[int, int], action: Action) -> tuple[tuple[int, int], str]:

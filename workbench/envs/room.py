@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from workbench.envs.actions import parse_action
-from workbench.envs.env import FEEDBACK_OK, FEEDBACK_WALL, budget_text
+from workbench.envs.env import FEEDBACK_OK, FEEDBACK_WALL, budget_text, rules_text
 from workbench.envs.maze import Maze, render_ascii, render_image, step_pos
 
 
@@ -53,10 +53,9 @@ class RoomConfig:
         return RoomEnv(self)
 
     def rules(self) -> str:
-        return (f"You are in an empty {self.size}x{self.size} room. You are the blue circle; "
-                "the goal is the red square. Reach the goal: the episode ends when you step onto"
-                " it.\nReply with exactly one word: up, down, left, right or stop. Example: up\n"
-                f"You have at most {self.max_turns} turns; each reply is one turn.")
+        """The system prompt, in the maze's words (`envs.env.rules_text`) for this grammar."""
+        return rules_text(f"You are in an empty {self.size}x{self.size} room.",
+                          self.observation, "reach_goal", self.grammar, self.max_turns)
 
 
 def room_maze(state: RoomState) -> Maze:

@@ -29,6 +29,15 @@ class LoraSettings:
     init_seed: int = 0  # seed for the A matrices (B starts at zero)
     vision: bool = False  # also adapt the vision tower's linears and the merger (VISION_LINEARS)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any] | None) -> LoraSettings | None:
+        """Inverse of dataclasses.asdict through JSON (lists back to tuples); None stays None."""
+        if data is None:
+            return None
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
+                                  for k, v in data.items()}
+        return cls(**fields)
+
     @property
     def target_regex(self) -> str:
         """peft regex selecting the targets: the language model's projections, and with

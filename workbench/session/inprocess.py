@@ -191,9 +191,7 @@ def create_session_from_state(path: str | Path, with_optimizer: bool = True,
     """A session resumed from a saved state (weights and, by default, optimiser): its model and
     LoRA settings come from the state, the rest from `spec`."""
     meta = json.loads((Path(path) / checkpoint.SESSION_FILE).read_text())
-    lora_fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v
-                                   for k, v in (meta["lora"] or {}).items()}
-    lora = None if meta["lora"] is None else LoraSettings(**lora_fields)
+    lora = LoraSettings.from_dict(meta["lora"])
     session = create_session(replace(spec, model=meta["model"], lora=lora))
     session.training_client.load_state(path, with_optimizer).result()
     return session
