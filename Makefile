@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup chromium test test-fast demo demo-long bench bench-scale bench-trl bench-gpu lint typecheck lab lock clean
+.PHONY: setup chromium test test-fast demo demo-long bench bench-notebooks bench-scale bench-trl bench-gpu lint typecheck lab lock clean
 
 setup: $(STAMP) chromium
 
@@ -47,6 +47,10 @@ demo-long: setup
 
 bench: setup
 	$(BIN)/python benchmarks/bench.py
+
+# Each notebook's wall time with its committed parameters, as CI runs it (budget: 30 s each).
+bench-notebooks: setup
+	$(BIN)/python benchmarks/notebooks.py
 
 # The issue-7 benchmarks (figures in benchmarks/RESULTS.md). Run each alone on the machine.
 bench-scale: setup

@@ -177,6 +177,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_gpu_paths": ("gpu",),  # GPU paths checked on CPU (the small shape; 63 s in all)
     "test_notebooks": ("notebook", "slow"),  # papermill runs, from tiny-sft
     "test_pretrained": ("slow",),  # the tiny-sft build (~5 min)
+    "test_reprs": ("slow",),  # its module fixture plays a real tiny rollout (~10 s)
     "test_ray_local": ("ray", "slow"),  # ray.init with 2 CPUs, runs from tiny-sft
     "test_ray_remote": ("ray", "slow"),  # `ray start --head`, jobs from tiny-sft
     "test_run_folder": ("slow",),  # most tests copy its 2-step training run (module fixture)
@@ -191,6 +192,9 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
         ("slow",),  # two Python subprocesses, 6 s
     "test_cluster::test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device": ("gpu",),
     "test_demo::test_seed_table_lines": (),
+    "test_errors::test_steps_without_an_update_log_no_loss_and_say_why_once":
+        ("slow",),  # a real 2-step run, 6 s
+    "test_errors::test_a_cached_hub_id_loads_offline_and_without_the_hub": ("slow",),  # 5 s
     "test_gpu_paths::test_static_pool_decode_matches_the_eager_sampler": ("gpu", "slow"),  # 31 s
     "test_gpu_paths::test_fused_decode_matches_the_eager_sampler": ("gpu", "slow"),  # 8 s + 4 s
     "test_gpu_paths::test_selective_checkpointing_keeps_the_gradients": ("gpu", "slow"),  # 5 s
@@ -211,6 +215,8 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_storage::test_run_dir_on_s3_is_mirrored_and_resumed_from_s3": ("slow",),  # 20 s
     "test_tasks::test_room_plays_through_the_session_and_the_phases": ("slow",),  # 25 s
     "test_vllm_engine::test_real_vllm_matches_the_trainer": ("gpu",),
+    "test_viz::test_executed_notebook_html_shows_the_player_without_javascript":
+        ("notebook", "slow"),  # a kernel and nbconvert, 7 s
 }
 
 # Added to any test that requests these fixtures (directly or through another fixture), in

@@ -4,7 +4,7 @@ Issue 14 item 7 asks for a bounded time per reply, so these tests time parse_act
 exception to "tests don't time things". The bounds are generous (50 ms for a 1 MB reply, which
 parses in under 10 ms) and a call over its bound is timed twice more, keeping the fastest, so a
 loaded machine's stall does not fail them; the old quadratic parser took seconds on 80 KB.
-The table at the top pins every accepted and rejected reply shape (README "Reply shapes").
+The table at the top pins every accepted and rejected reply shape (docs/maze.md, "Reply shapes").
 """
 
 from __future__ import annotations

@@ -363,7 +363,7 @@ def test_update_minibatches_then_steps_once(streams) -> None:
                                          "entropy": 2.0, "tokens": 1})
     trainer = FakeTrainer([out_a, out_b])
     datums = [datum_from_stream(s, 1.0) for s in streams[:3]]
-    cfg, adam = LossConfig(), AdamParams(learning_rate=0.01)
+    cfg, adam = LossConfig(reduction="sum"), AdamParams(learning_rate=0.01)
     rec = update(trainer, datums, "ppo", cfg, adam, minibatch=2)
     assert trainer.calls == [("fb", 2, "ppo", cfg), ("fb", 1, "ppo", cfg), ("opt", adam)]
     assert rec.datums == 3 and rec.grad_norm == 0.25 and rec.learning_rate == 0.01
@@ -410,7 +410,8 @@ def test_mini_batches_take_their_own_sequence_mean(streams) -> None:
 
 def test_update_without_datums_does_nothing() -> None:
     trainer = FakeTrainer([])
-    rec = update(trainer, [], "ppo", LossConfig(), AdamParams(learning_rate=0.02))
+    with pytest.warns(RuntimeWarning, match="update skipped: 0 datums"):
+        rec = update(trainer, [], "ppo", LossConfig(), AdamParams(learning_rate=0.02))
     assert trainer.calls == []
     assert (rec.metrics, rec.grad_norm, rec.learning_rate, rec.datums) == ({}, 0.0, 0.02, 0)
 

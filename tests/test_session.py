@@ -155,7 +155,7 @@ def test_a_failed_call_raises_through_its_future_and_the_queue_goes_on(
 def test_forward_backward_loss_and_metrics(make_session, oracle_datums) -> None:
     session = make_session()
     tc = session.training_client
-    out = tc.forward(oracle_datums, "cross_entropy").result()
+    out = tc.forward(oracle_datums, "cross_entropy", LossConfig(reduction="sum")).result()
     tokens = sum(sum(d.stream.loss_mask_T) for d in oracle_datums)
     # the sum reduction of -(w logp) is minus the summed trainer log-probs on reply tokens
     total = sum(lp for d, lps in zip(oracle_datums, out.logprobs_B_T)

@@ -1,20 +1,35 @@
 """Pictures, widgets and notebook helpers without a browser or a model: failure reasons of
 scripted episodes, widget state after moving sliders (ipywidgets 8 runs without a front end),
-the step inspector over a hand-made run folder, plots, recorded metrics."""
+the step inspector over a hand-made run folder, the viewers' static pictures (decoded, shown
+by IPython's display machinery, kept by a notebook run through nbclient and nbconvert's HTML),
+plots (labelled axes, legends, the palette), recorded metrics."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import matplotlib
 import numpy as np
 import pytest
+from matplotlib.colors import same_color
+from PIL import Image
 
 from workbench.config import RunConfig, to_dict
-from workbench.envs import MazeConfig, eval_set, format_action, oracle_actions
+from workbench.envs import (
+    MazeConfig,
+    eval_set,
+    format_action,
+    init_maze,
+    oracle_actions,
+    render_image,
+)
 from workbench.envs.actions import move
 from workbench.envs.maze import step_pos
 from workbench.notebook import comparable, jsonable, read_recorded, record_metrics
@@ -23,7 +38,11 @@ from workbench.rl.inspect import module_name, ratio_stats
 from workbench.run import episode_summary
 from workbench.session.losses import LossConfig
 from workbench.viz import (
+    PALETTE,
+    episode_grid,
+    episode_strip,
     frame_png,
+    group_by_layer,
     group_view,
     noise_band,
     plot_advantages,
@@ -118,8 +137,6 @@ def test_turn_rows_and_frames_follow_the_episode() -> None:
 
 
 def _maze(ep):
-    from workbench.envs import init_maze
-
     return init_maze(ep.init_state)
 
 
@@ -200,34 +217,250 @@ def test_step_inspector_needs_step_records(tmp_path: Path) -> None:
         step_inspector(tmp_path)
 
 
+# ---------------------------------------------------------------- static pictures
+
+
+def _decode(png: bytes | str) -> Image.Image:
+    """A PNG (bytes, or base64 as a notebook stores it) decoded by PIL."""
+    raw = base64.b64decode(png) if isinstance(png, str) else png
+    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
+    return Image.open(io.BytesIO(raw))
+
+
+def test_episode_strip_shows_every_frame_in_order() -> None:
+    from workbench.viz.episodes import STRIP_LABEL_PX, STRIP_PAD
+
+    ep = _play(SCRIPTED["oracle"])  # 4 turns: 5 frames, the last where it ended
+    strip = episode_strip(ep, frame_px=50, cols=3)  # 10 px per cell, 3 frames per row
+    side = 5 * 10
+    tile_w, tile_h = side + 2 * STRIP_PAD, side + 2 * STRIP_PAD + STRIP_LABEL_PX
+    assert strip.shape == (2 * tile_h, 3 * tile_w, 3)
+    for k, pos in enumerate(ep.positions):
+        y, x = (k // 3) * tile_h + STRIP_PAD, (k % 3) * tile_w + STRIP_PAD
+        np.testing.assert_array_equal(strip[y:y + side, x:x + side],
+                                      render_image(_maze(ep), pos, 10))
+    player = trajectory_player(ep)
+    image = _decode(player.png())  # default: 96 // 5 = 19 px per cell, one row of 5 frames
+    assert image.size == (5 * (95 + 2 * STRIP_PAD), 95 + 2 * STRIP_PAD + STRIP_LABEL_PX)
+
+
+def test_group_and_inspector_pictures(tmp_path: Path) -> None:
+    view = group_view([_play(SCRIPTED["oracle"]), _play(babble)], advantages_G=[1.0, -1.0])
+    fig = view.figure()
+    mazes = [ax for ax in fig.axes if ax.images]
+    assert len(mazes) == 2 and "adv +1.00" in mazes[0].get_title()
+    assert "failed" in mazes[1].get_title()
+    width, height = fig.get_size_inches() * 80
+    assert _decode(view.png()).size == (round(width), round(height))  # figure_png: dpi 80
+    insp = step_inspector(_run_folder(tmp_path / "run"))
+    assert _decode(insp.png()).size == _decode(insp.view.png(title="x")).size
+
+
+@pytest.fixture
+def shell(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    """An in-process IPython shell (what a kernel runs), its history in memory."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from traitlets.config import Config
+
+    monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    config = Config()
+    config.HistoryManager.hist_file = ":memory:"
+    yield InteractiveShell.instance(config=config)
+    InteractiveShell.clear_instance()
+
+
+def _displayed(shell, expression: str, **names) -> list[dict]:
+    """The display outputs' data when a cell ends with `expression`."""
+    from IPython.utils.capture import capture_output
+
+    shell.user_ns.update(names)
+    with capture_output() as captured:
+        assert shell.run_cell(expression).success
+    return [out.data for out in captured.outputs]
+
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def test_displaying_a_viewer_shows_its_picture_then_the_widget(shell, tmp_path: Path) -> None:
+    player = trajectory_player(_play(back_and_forth))
+    picture, widget = _displayed(shell, "player", player=player)
+    assert set(picture) == {"image/png", "text/plain"} and WIDGET not in picture
+    assert base64.b64decode(picture["image/png"]) == player.png()
+    assert WIDGET in widget and "image/png" not in widget
+    assert [WIDGET in d for d in _displayed(shell, "display(player)")] == [False, True]
+    view = group_view([_play(SCRIPTED["oracle"]), _play(bump)])
+    assert [sorted(d) for d in _displayed(shell, "view", view=view)] == [
+        ["image/png", "text/plain"], sorted([WIDGET, "text/plain"])]
+    metrics, picture, widget = _displayed(shell, "insp",
+                                          insp=step_inspector(_run_folder(tmp_path / "run")))
+    assert "step 2, maze 0" in metrics["text/html"] and "reward/mean" in metrics["text/html"]
+    assert _decode(picture["image/png"]).size[0] > 0 and WIDGET in widget
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A kernelspec for this interpreter on a temporary JUPYTER_PATH (as test_notebooks)."""
+    from ipykernel.kernelspec import install
+
+    prefix = tmp_path_factory.mktemp("jupyter")
+    install(kernel_name="workbench-viz-test", display_name="Python (workbench viz test)",
+            prefix=str(prefix))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+        yield "workbench-viz-test"
+
+
+def test_executed_notebook_html_shows_the_player_without_javascript(kernel: str) -> None:
+    """A notebook cell shows a player of a scripted episode's summary (what a step record
+    holds; the kernel then imports no torch); nbclient runs it, nbconvert's HTML has the strip."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    record = episode_summary(_play(SCRIPTED["oracle"]))
+    cell = f"from workbench.viz import trajectory_player\ntrajectory_player({record!r})"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    NotebookClient(nb, kernel_name=kernel, timeout=60).execute()
+    outputs = nb.cells[0].outputs
+    assert [WIDGET in out.get("data", {}) for out in outputs] == [False, True]
+    strip = _decode(outputs[0]["data"]["image/png"])  # the episode's 5 frames, as here
+    np.testing.assert_array_equal(np.asarray(strip), episode_strip(record))
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    images = re.findall(r'<img[^>]*src="data:image/png;base64,([^"]+)"', html)
+    assert [_decode(b).size for b in images] == [strip.size]
+
+
 # ---------------------------------------------------------------- plots
 
 
-def test_plots_draw_from_records() -> None:
+def _labelled(fig) -> list[str]:
+    """Checks every axes: a colourbar has its label; an axes with its axis off holds an image
+    (a maze) or nothing (an empty grid slot); every other axes has x and y labels. Every line,
+    patch and collection drawn carries a label (none of matplotlib's "_child" defaults), and
+    every label not starting with "_" (helpers of a labelled series) is in a legend. Returns
+    the legend labels."""
+    legends = [lg for lg in (*fig.legends, *(ax.get_legend() for ax in fig.axes)) if lg]
+    shown = [t.get_text() for lg in legends for t in lg.get_texts()]
+    for ax in fig.axes:
+        if ax.get_label() == "<colorbar>":
+            assert ax.get_ylabel() or ax.get_xlabel()
+            continue
+        if not ax.axison:
+            assert ax.images or not ax.has_data()
+        else:
+            assert ax.get_xlabel() and ax.get_ylabel(), ax.get_title()
+        for artist in (*ax.lines, *ax.patches, *ax.collections):
+            label = artist.get_label()
+            assert not label.startswith("_child"), (ax.get_title(), artist)
+            assert label.startswith("_") or label in shown, label
+    return shown
+
+
+def _rows() -> list[dict]:
     rows = [{"step": s, "reward/mean": 0.1 * s, "rollout/success_rate": 0.05 * s,
              "rollout/zero_variance_frac": 0.5, "time/rollout": 1.0, "time/update": 2.0,
-             "time/weight_sync": 0.01, "time/step": 3.5} for s in (1, 2, 3)]
+             "time/weight_sync": 0.01, "time/step": 3.5, "update/loss": 0.1 * s,
+             "update/grad_norm": 0.2, "update/kl_sampler_trainer": 1e-9} for s in (1, 2, 3, 4)]
     rows[0] |= {"rollout/wall_bump_rate": 0.4, "rollout/invalid_rate": 0.0,
                 "rollout/entropy": 0.5}
+    for key in ("update/loss", "update/grad_norm", "update/kl_sampler_trainer"):
+        del rows[1][key]  # step 2 made no update: every group had zero reward variance
     rows.append({"step": 3, "eval/greedy_solved": 4.0, "eval/ceiling": 7, "eval/n_mazes": 8})
-    fig = plot_training(rows)
-    rollouts, behaviour, evals = fig.axes[:3]
-    assert [line.get_label() for line in rollouts.get_lines()] == ["reward mean", "success"]
-    assert {"wall bumps / turn", "invalid replies / turn"} <= {
-        line.get_label() for line in behaviour.get_lines()}
-    assert [line.get_label() for line in evals.get_lines()] == ["eval greedy", "oracle ceiling"]
+    return rows
+
+
+def _labels(ax) -> list[str]:
+    return [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+
+
+def test_plot_training_labels_colours_and_gaps() -> None:
+    fig = plot_training(_rows())
+    rollouts, behaviour, evals, update = fig.axes[:4]
+    shown = _labelled(fig)
+    assert _labels(rollouts) == ["reward mean", "success rate"]
+    assert same_color(rollouts.get_lines()[0].get_color(), PALETTE["reward"])
+    assert {"wall bumps / turn", "invalid replies / turn"} <= set(_labels(behaviour))
+    assert _labels(evals) == ["eval greedy", "oracle ceiling"]
+    assert same_color(evals.get_lines()[0].get_color(), PALETTE["greedy"])
+    assert {"entropy (nats / turn)", "95% binomial noise band", "KL sampler vs trainer",
+            "no update (zero-variance batch)"} <= set(shown)
     band = evals.collections[0].get_paths()[0].vertices[:, 1]  # the 95% band around 4/8
     half = noise_band(4.0, 8)
     assert math.isclose(half, 1.96 * 8 * math.sqrt(0.25 / 8))
     assert math.isclose(band.min(), 4.0 - half) and math.isclose(band.max(), 4.0 + half)
-    bars = plot_phase_times(rows).axes[0].patches
-    assert len(bars) == 4 * 3 and math.isclose(bars[-1].get_height(), 0.49)  # "other"
-    adv = np.array([[0.0, 0.0, 0.0], [1.0, -0.5, -0.5]])
-    fig = plot_advantages(adv, np.array([[1, 1, 1], [1, 0, 0]]))
+    loss = next(line for line in update.get_lines() if line.get_label() == "loss")
+    np.testing.assert_allclose(loss.get_ydata(), [0.1, np.nan, 0.3, 0.4])  # a gap, not 0
+    rows = [{k: v for k, v in r.items() if not k.startswith(("update/", "eval/"))}
+            for r in _rows()]  # a run without updates or evals: empty panels, still labelled
+    fig = plot_training(rows)
+    assert _labels(fig.axes[2]) == _labels(fig.axes[3]) == [] and "loss" not in _labelled(fig)
+
+
+def test_small_plots_are_labelled() -> None:
+    bars = plot_phase_times(_rows()).axes[0].patches
+    assert len(bars) == 4 * 4 and math.isclose(bars[-1].get_height(), 0.49)  # "other"
+    assert set(_labelled(plot_phase_times(_rows()))) == {"rollout", "update", "weight sync",
+                                                          "other"}
+    adv = np.array([[0.0, 0.0, 0.0], [1.0, -0.5, -0.5], [0.5, 0.5, -1.0]])
+    fig = plot_advantages(adv, np.array([[1, 1, 1], [1, 0, 0], [1, 1, 0]]), cols=2)
+    assert _labelled(fig) == ["advantage < 0", "advantage = 0", "advantage > 0"]
     assert "zero variance" in fig.axes[0].get_title() and "zero" not in fig.axes[1].get_title()
+    assert not fig.axes[3].axison  # the empty fourth slot
     fig = plot_logprob_scatter(np.array([-1.0, -2.0]), np.array([-1.0, -2.0 + 1e-6]))
     assert fig.axes[0].get_title().startswith("2 reply tokens, max |diff| 1.0e-06")
-    assert len(plot_grad_norms({"layers.0.mlp.up_proj": 0.1, "visual.x": 0.2}).axes[0].patches) == 2
+    assert _labelled(fig) == ["reply token", "equal (y = x)"]
+
+
+def test_episode_grid_has_a_legend_and_titles_clear_of_the_row_above() -> None:
+    config = MazeConfig(size=7, max_turns=12)
+    oracle = [g[0] for g in play_scripted(SCRIPTED["oracle"], config, eval_set(7, 6))]
+    eps = [*oracle, _play(bump), _play(babble)]  # 2 rows of 4, as the notebooks draw them
+    fig = episode_grid(eps, config, titles=[f"grpo sampled {k}" for k in range(8)])
+    assert _labelled(fig) == ["start (agent)", "goal", "path",
+                              "no move (wall bump or invalid reply)", "end: solved",
+                              "end: failed"]
+    mazes = [ax for ax in fig.axes if ax.images]
+    assert len(mazes) == 8 and all(not ax.axison for ax in mazes)  # image axes, axis off
+    for dpi in (72, 100):  # a notebook's inline figures, a script's savefig
+        fig.set_dpi(dpi)
+        fig.canvas.draw()
+        renderer = fig.canvas.get_renderer()
+        titles = [ax.title.get_window_extent(renderer) for ax in mazes]
+        boxes = [ax.get_window_extent(renderer) for ax in mazes]
+        for i, title in enumerate(titles):
+            assert not any(title.overlaps(b) for b in boxes), f"title {i} overlaps a maze"
+            assert not any(title.overlaps(t) for j, t in enumerate(titles) if j != i)
+        legend = fig.legends[0].get_window_extent(renderer)
+        assert not any(legend.overlaps(b) for b in boxes + titles)
+
+
+LANGUAGE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def test_grad_norms_are_a_heatmap_of_layers_by_module_type() -> None:
+    norms = {f"layers.{i}.{m}": 0.1 * i + 0.01 * k for i in range(4)
+             for k, m in enumerate(LANGUAGE)}  # the tiny model's 28 LoRA modules
+    fig = plot_grad_norms(norms)
+    _labelled(fig)
+    heat, bar = fig.axes
+    assert bar.get_label() == "<colorbar>" and "gradient norm" in bar.get_ylabel()
+    assert [t.get_text() for t in heat.get_yticklabels()] == [f"layer {i}" for i in range(4)]
+    assert [t.get_text() for t in heat.get_xticklabels()] == ["q", "k", "v", "o", "gate", "up",
+                                                               "down"]
+    assert min(t.get_fontsize() for t in heat.get_xticklabels() + heat.get_yticklabels()) >= 8
+    np.testing.assert_allclose(heat.images[0].get_array(), [[0.1 * i + 0.01 * k
+                                                            for k in range(7)] for i in range(4)])
+    mixed = {"layers.1.mlp.up_proj": 0.1, "visual.blocks.0.attn.qkv": 0.2,
+             "visual.merger.linear_fc1": 0.3}
+    grids, others = group_by_layer(mixed)
+    assert grids["layers"][:2] == (["layer 1"], ["up"]) and others == {
+        "visual.merger.linear_fc1": 0.3}
+    assert grids["visual.blocks"][:2] == (["vision block 0"], ["qkv"])
+    fig = plot_grad_norms(mixed)
+    assert len(fig.axes) == 4 and len(fig.axes[2].patches) == 1  # 2 heatmaps, bars, colourbar
+    _labelled(fig)
 
 
 # ---------------------------------------------------------------- notebook helpers

@@ -184,7 +184,7 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--cache-size", type=int, default=4, help="adapters kept per replica (LRU)")
     s.add_argument("--cpus-per-replica", type=float, default=1.0, help="Ray CPUs per replica")
     s.add_argument("--host", default="127.0.0.1", help="bind address")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free port)")
     s.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY", ""),
                    help="require 'Authorization: Bearer KEY' (default: $WORKBENCH_API_KEY)")
     s.add_argument("--address", default="local", help="Ray: local, auto or ray://host:10001")

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
+from workbench import loggers
+from workbench.deps import require
 from workbench.envs import GRAMMARS, REWARDS, MazeConfig
 from workbench.envs.env import OBSERVATIONS
 from workbench.policy.engines import ENGINES
@@ -30,6 +32,17 @@ from workbench.session.losses import LOSSES, REDUCTIONS
 
 class ConfigError(ValueError):
     """A configuration key or value that cannot be used."""
+
+
+def check_loggers(spec: str) -> None:
+    """ConfigError in one line when a logger of trainer.logger misses its package, naming the
+    extra to install (`pip install 'workbench[mlflow]'`); call it before a run folder is touched."""
+    for name in loggers.parse(spec):
+        for module in loggers.needed_modules(name):
+            try:
+                require(module)
+            except ImportError as err:
+                raise ConfigError(f"trainer.logger={spec!r}: {err}") from None
 
 
 @dataclass(frozen=True)
@@ -194,6 +207,11 @@ class TrainerConfig:
     """Seed of maze order and sampling."""
     keep_step_records: bool = True
     """Keep each step's rollout and datums for replay."""
+    logger: str = "jsonl"
+    """Where metric rows go, comma-separated: jsonl (metrics.jsonl, always written even when
+    not listed) | tensorboard (<run_dir>/tensorboard/; extra `tensorboard`) | mlflow (the run
+    folder's mlflow.db, or $MLFLOW_TRACKING_URI; extra `mlflow`). E.g. jsonl,tensorboard,mlflow:
+    every row's numbers under the metrics.jsonl keys at its step (workbench/loggers.py)."""
     num_workers: int = 1
     """N: data-parallel trainer actors on a Ray cluster; each takes a slice of the datums and
     gradients are all-reduced (SkyRL: trainer.placement.policy_num_gpus_per_node). Ignored
@@ -418,6 +436,10 @@ def validate(config: RunConfig) -> None:
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
     _validate_cluster(config)
+    try:
+        loggers.parse(config.trainer.logger)
+    except ValueError as err:
+        raise ConfigError(f"trainer.logger={config.trainer.logger!r}: {err}") from None
     if values["trainer.resume_mode"] == "from_path" and not values["trainer.resume_path"]:
         raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path")
     try:

@@ -15,6 +15,10 @@ EXTRAS: dict[str, str] = {
     "fastapi": "serve",
     "starlette": "serve",
     "openai": "serve",
+    "tensorboard": "tensorboard",
+    "mlflow": "mlflow",
+    "sqlalchemy": "mlflow",
+    "alembic": "mlflow",
 }
 
 

@@ -2,6 +2,7 @@
 
     run_dir/
       config.json  manifest.json  metrics.jsonl          flat namespaced scalars, one row a step
+      tensorboard/  mlflow.db  mlflow_run.json           the same rows, with trainer.logger
       eval/step_000010.json                              per-maze outcomes of each evaluation
       steps/step_000007/{episodes.json,datums.safetensors}   what step 7 trained on (replay)
       checkpoints/global_step_20/ (+ COMPLETE)           full state: weights, optimiser, RNGs, step
@@ -27,7 +28,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from workbench import loggers
 from workbench.envs import InitState, MazeConfig, init_maze, render_image
+from workbench.loggers import read_metrics
 from workbench.policy import Stream, encode_image
 from workbench.rl.rollout import Episode
 from workbench.session.types import Datum
@@ -78,30 +81,20 @@ def write_manifest(run_dir: Path, config: dict, session_info: dict, reward_sourc
     (run_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
 
-def append_metrics(run_dir: Path, row: dict[str, Any]) -> None:
-    """One JSON line of flat scalars."""
+def append_metrics(run_dir: Path, row: dict[str, Any], logger: str = "jsonl") -> None:
+    """One JSON line of flat scalars in metrics.jsonl (always), then the same row to the other
+    loggers that `logger` (trainer.logger, e.g. "jsonl,tensorboard") names: workbench.loggers."""
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
-
-
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """All metric rows (an unfinished last line from a killed writer is ignored)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break
-    return rows
+    loggers.log_row(run_dir, row, logger)
 
 
 def truncate_metrics(run_dir: Path, last_step: int) -> None:
-    """Keep rows up to last_step (a resumed run rewrites what came after its checkpoint)."""
+    """Keep rows up to last_step (a resumed run rewrites what came after its checkpoint); a
+    TensorBoard file gets a restart marker there (workbench.loggers.restart)."""
     rows = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    loggers.restart(run_dir, last_step + 1)
 
 
 def episode_summary(ep: Episode) -> dict[str, Any]:

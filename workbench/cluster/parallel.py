@@ -46,9 +46,10 @@ def padded_shards(datums: list[Datum], parts: int) -> tuple[list[list[Datum]], l
 
 
 def empty_output() -> ForwardBackwardOutput:
-    """What forward returns for no datums."""
+    """What forward returns for no datums: marked empty (nothing computed)."""
     return ForwardBackwardOutput(0.0, {"loss": 0.0, "kl_sampler_trainer": 0.0,
-                                       "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}, [])
+                                       "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}, [],
+                                 empty=True)
 
 
 def merge_outputs(outs: list[ForwardBackwardOutput], sizes: list[int]) -> ForwardBackwardOutput:

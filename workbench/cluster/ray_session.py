@@ -156,11 +156,13 @@ class RayTrainingClient:
     def forward(self, datums: list[Datum], loss_fn: str = "cross_entropy",
                 loss_fn_config: LossConfig | None = None) -> Future:
         """Loss and trainer log-probs without gradients -> Future[ForwardBackwardOutput]."""
+        host.warn_if_empty("forward", datums)
         return self._spread(datums, loss_fn, loss_fn_config or LossConfig(), backward=False)
 
     def forward_backward(self, datums: list[Datum], loss_fn: str,
                          loss_fn_config: LossConfig | None = None) -> Future:
         """Accumulate gradients of the loss on each worker's slice -> Future[...Output]."""
+        host.warn_if_empty("forward_backward", datums)
         return self._spread(datums, loss_fn, loss_fn_config or LossConfig(), backward=True)
 
     def optim_step(self, adam: AdamParams) -> Future:

@@ -17,8 +17,8 @@ default) the decoder must first find the agent's token among 49 before any wall 
 matter, and a 2 M-parameter model learnt that search only after ~25,000 images; its SFT policy
 ignored the image altogether (the same success with another maze's walls drawn in). Merged into
 one token, the squares reach the decoder in fixed slots of one vector, and the held-out
-single-turn move accuracy passed 60% after 9,600 images instead of ~45,000 (README, "What moved
-the numbers").
+single-turn move accuracy passed 60% after 9,600 images instead of ~45,000 (docs/benchmarks.md,
+"What moved the numbers").
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ STEP_FOLDER = re.compile(r"global_step_(\d+)")
 RESUMABLE = (
     "run_dir",  # where the folder is (moved, or an s3:// working copy)
     "trainer.total_steps", "trainer.ckpt_interval", "trainer.hf_save_interval",
-    "trainer.eval_interval", "trainer.keep_step_records",
+    "trainer.eval_interval", "trainer.keep_step_records", "trainer.logger",
     "eval.*",  # what is measured, not what is trained
     "cluster.*", "storage.*",  # where it runs and where its files live
     "sft.*",  # not read by GRPO

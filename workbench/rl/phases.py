@@ -10,12 +10,19 @@
 Advantages are group-relative: GRPO (r - mean) / (std + 1e-6) with the unbiased std as SkyRL
 computes it, Dr. GRPO (r - mean), RLOO (r - mean of the others). A group whose rewards are all
 equal carries no signal: its advantages are exactly zero, it is counted, and its episodes are
-left out of the update (they would add zero gradient at full cost).
+left out of the update (they would add zero gradient at full cost). A batch with no datums left
+makes no update at all (no forward_backward, no optimiser step) and says so in a warning.
+
+Each phase checks that it was handed the record it takes and names it in one line otherwise;
+every record prints as one short line, and the tables (rewards, advantages, eval results) as
+HTML tables in Jupyter.
 """
 
 from __future__ import annotations
 
+import html
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -26,11 +33,44 @@ from workbench.envs import InitState, MazeConfig
 from workbench.envs.protocol import Task
 from workbench.policy import SamplingParams, Stream
 from workbench.rl.advantages import ADVANTAGES
-from workbench.rl.evaluate import EvalResult, summarize
+from workbench.rl.evaluate import TABLE_HEADER, EvalResult, summarize
 from workbench.rl.rollout import Episode, play_episodes
 from workbench.session.losses import REDUCTION_SCALES, LossConfig
 from workbench.session.protocols import SamplingClientLike, TrainingClientLike
 from workbench.session.types import AdamParams, Datum, per_reply
+
+
+def _takes(phase: str, value: Any, want: type | tuple[type, ...], what: str, hint: str) -> None:
+    """TypeError in one line unless `value` is a `want`: the phase, what it takes, what it got
+    and how to make what it takes."""
+    if not isinstance(value, want):
+        raise TypeError(f"{phase} takes {what}, not {type(value).__name__}: {hint}")
+
+
+def _check_states(states_P: Any) -> None:
+    """Initial states, not the maze seeds they are made from."""
+    if any(isinstance(s, int | str) for s in states_P):
+        raise TypeError(f"states_P must be initial states (e.g. eval_set(7, 8) or "
+                        f"step_mazes(config, 1)), not {type(states_P[0]).__name__}s such as "
+                        f"{states_P[0]!r}: a maze seed becomes a state with train_states or "
+                        "eval_set")
+
+
+def _stats(values: np.ndarray) -> str:
+    """"mean m, range [lo, hi]" of an array ("no values" when empty)."""
+    if values.size == 0:
+        return "no values"
+    return f"mean {values.mean():+.3g}, range [{values.min():+.3g}, {values.max():+.3g}]"
+
+
+def _grid_html(title: str, values_P_G: np.ndarray, rows: int = 32) -> str:
+    """A P x G table (a row per maze, a column per sample) of its first `rows` mazes."""
+    head = "".join(f"<th>g={g}</th>" for g in range(values_P_G.shape[1]))
+    body = "".join(f"<tr><th>p={p}</th>" + "".join(f"<td>{v:+.3g}</td>" for v in row) + "</tr>"
+                   for p, row in enumerate(values_P_G[:rows]))
+    more = (f"<tr><td colspan={values_P_G.shape[1] + 1}>... {len(values_P_G) - rows} more mazes"
+            "</td></tr>") if len(values_P_G) > rows else ""
+    return (f"<b>{html.escape(title)}</b><table><tr><th></th>{head}</tr>{body}{more}</table>")
 
 
 @dataclass
@@ -70,11 +110,7 @@ def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: i
             params: SamplingParams, seed: int) -> RolloutRecord:
     """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
     client's weights version."""
-    if any(isinstance(s, int | str) for s in states_P):
-        raise TypeError(f"states_P must be initial states (e.g. eval_set(7, 8) or "
-                        f"step_mazes(config, 1)), not {type(states_P[0]).__name__}s such as "
-                        f"{states_P[0]!r}: a maze seed becomes a state with train_states or "
-                        "eval_set")
+    _check_states(states_P)
     start = time.perf_counter()
     episodes = sampler.play(play_episodes, config, states_P, n, params, seed).result()
     return RolloutRecord(episodes, params, seed, time.perf_counter() - start)
@@ -104,9 +140,22 @@ class ScoreRecord:
     rewards_P_G: np.ndarray
     parts: dict[str, np.ndarray] = field(default_factory=dict)
 
+    def __repr__(self) -> str:
+        """One line: shape, reward statistics, zero-variance groups, the reward functions."""
+        P, G = self.rewards_P_G.shape
+        flat = int(np.all(self.rewards_P_G == self.rewards_P_G[:, :1], axis=1).sum()) if G else P
+        return (f"ScoreRecord(P={P} x G={G} rewards, {_stats(self.rewards_P_G)}, {flat} "
+                f"zero-variance groups, parts {', '.join(self.parts) or 'none'})")
+
+    def _repr_html_(self) -> str:
+        return _grid_html(f"rewards_P_G ({', '.join(self.parts)})", self.rewards_P_G)
+
 
 def score(record: RolloutRecord, reward_fns: dict[str, float] | None = None) -> ScoreRecord:
     """Weighted sum of reward functions (names in REWARD_FNS -> weight); default env reward."""
+    _takes("score", record, RolloutRecord, "a RolloutRecord",
+           "pass the record that rollout(...) returns, or wrap episodes as "
+           "RolloutRecord(episodes_P_G, params, seed, seconds)")
     weights = reward_fns or {"env": 1.0}
     P, G = len(record.episodes_P_G), len(record.episodes_P_G[0])
     parts = {name: np.asarray(REWARD_FNS[name](record.flat), dtype=np.float64).reshape(P, G)
@@ -127,6 +176,17 @@ class AdvantageRecord:
     estimator: str
     turn_advantages_P_G: list[list[np.ndarray]] | None = None
     """Per maze, per episode: an array with one advantage per turn (None: episode-level only)."""
+
+    def __repr__(self) -> str:
+        """One line: estimator, shape, zero-variance groups, advantage statistics."""
+        P, G = self.advantages_P_G.shape
+        turns = ", per-turn step advantages" if self.turn_advantages_P_G is not None else ""
+        return (f"AdvantageRecord({self.estimator}, P={P} x G={G}, {self.zero_variance_groups} "
+                f"zero-variance groups, {_stats(self.advantages_P_G)}{turns})")
+
+    def _repr_html_(self) -> str:
+        return _grid_html(f"advantages_P_G ({self.estimator}, {self.zero_variance_groups} "
+                          "zero-variance groups)", self.advantages_P_G)
 
     def of_turns(self, p: int, g: int, turns: int) -> np.ndarray:
         """The advantage of each turn of episode g of maze p."""
@@ -192,6 +252,7 @@ def step_advantages(episodes_P_G: list[list[Episode]], rewards_P_G: np.ndarray, 
 def datum_index(record: RolloutRecord, adv: AdvantageRecord,
                 drop_zero: bool = True) -> list[tuple[int, int]]:
     """(maze, sample) of each episode that make_datums turns into a datum, in order."""
+    _check_pair("datum_index", record, adv)
     return [(p, g) for p, group in enumerate(record.episodes_P_G) for g, ep in enumerate(group)
             if not drop_zero or np.any(adv.of_turns(p, g, replies(_stream(ep))) != 0.0)]
 
@@ -200,11 +261,18 @@ def make_datums(record: RolloutRecord, adv: AdvantageRecord,
                 drop_zero: bool = True) -> list[Datum]:
     """One datum per episode that carries signal: its stream, each reply's tokens carrying that
     turn's advantage (`AdvantageRecord.of_turns`)."""
+    _check_pair("make_datums", record, adv)
     datums = []
     for p, g in datum_index(record, adv, drop_zero):
         stream = _stream(record.episodes_P_G[p][g])
         datums.append(turn_datum(stream, adv.of_turns(p, g, replies(stream))))
     return datums
+
+
+def _check_pair(phase: str, record: Any, adv: Any) -> None:
+    _takes(phase, record, RolloutRecord, "the RolloutRecord first", "pass ro = rollout(...)")
+    _takes(phase, adv, AdvantageRecord, "an AdvantageRecord second",
+           "pass advantages(score(ro).rewards_P_G)")
 
 
 def _stream(episode: Episode) -> Stream:
@@ -234,6 +302,26 @@ class UpdateRecord:
     datums: int
     seconds: float
 
+    @classmethod
+    def empty(cls, learning_rate: float) -> UpdateRecord:
+        """The record of an update skipped for want of datums (no metrics, no step)."""
+        return cls({}, 0.0, learning_rate, 0, 0.0)
+
+    def __repr__(self) -> str:
+        """One line: datums, loss, grad norm, KL, learning rate, time."""
+        if not self.datums:
+            return f"UpdateRecord(skipped: 0 datums, lr {self.learning_rate:.3g})"
+        m = self.metrics
+        return (f"UpdateRecord({self.datums} datums, {m.get('tokens', 0)} tokens, loss "
+                f"{m.get('loss', 0.0):+.4g}, grad norm {self.grad_norm:.3g}, kl "
+                f"{m.get('kl_sampler_trainer', 0.0):.2g}, clip {m.get('clip_fraction', 0.0):.3f}"
+                f", lr {self.learning_rate:.3g}, {self.seconds:.1f} s)")
+
+
+NO_DATUMS = ("update skipped: 0 datums, so no forward_backward and no optimiser step "
+             "(make_datums keeps only episodes with a non-zero advantage: there are none when "
+             "every episode in each group got the same reward)")
+
 
 def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
     """Fold a mean reduction over the WHOLE batch into the weights (`REDUCTION_SCALES`), so that
@@ -258,10 +346,13 @@ def update(training_client: TrainingClientLike, datums: list[Datum], loss_fn: st
     (`global_weights`), so the chunking does not change the gradient; `bucket_by_length` sorts
     the datums by length first, so each chunk pads to a near length instead of the longest
     episode. Metrics: loss and grad norm averaged over the optimizer steps, the rest
-    token-weighted over every call."""
+    token-weighted over every call. No datums: no call at all, a RuntimeWarning (NO_DATUMS) and
+    `UpdateRecord.empty`."""
+    _check_update_args(training_client, datums, loss_fn, loss_cfg, adam)
     start = time.perf_counter()
     if not datums:
-        return UpdateRecord({}, 0.0, adam.learning_rate, 0, 0.0)
+        warnings.warn(NO_DATUMS, RuntimeWarning, stacklevel=2)
+        return UpdateRecord.empty(adam.learning_rate)
     if bucket_by_length:
         datums = sorted(datums, key=lambda d: len(d.stream))
     summed = replace(loss_cfg, reduction="sum")
@@ -285,6 +376,25 @@ def update(training_client: TrainingClientLike, datums: list[Datum], loss_fn: st
                         opts[-1].learning_rate, len(datums), time.perf_counter() - start)
 
 
+def _check_update_args(training_client: Any, datums: Any, loss_fn: Any, loss_cfg: Any,
+                       adam: Any) -> None:
+    """update's arguments, each named in one line when it is not what update takes."""
+    if not callable(getattr(training_client, "forward_backward", None)):
+        raise TypeError(f"update takes a training client first (session.training_client), not "
+                        f"{type(training_client).__name__}")
+    if not isinstance(datums, list | tuple) or not all(isinstance(d, Datum) for d in datums):
+        got = type(datums).__name__ if not isinstance(datums, list | tuple) else (
+            f"a list holding {type(next(d for d in datums if not isinstance(d, Datum))).__name__}")
+        raise TypeError(f"update takes datums, a list of Datum, not {got}: pass "
+                        "make_datums(ro, adv)")
+    _takes("update", loss_fn, str, "loss_fn, a loss name such as \"ppo\"",
+           "see workbench.session.losses.LOSSES")
+    _takes("update", loss_cfg, LossConfig, "loss_cfg, a LossConfig",
+           "pass LossConfig(reduction=config.trainer.loss_reduction)")
+    _takes("update", adam, AdamParams, "adam, an AdamParams",
+           "pass AdamParams(learning_rate=3e-4)")
+
+
 @dataclass
 class EvalRecord:
     """Greedy and sampled results on a fixed maze set (sampled over several passes)."""
@@ -296,6 +406,22 @@ class EvalRecord:
     def by_mode(self, mode: str) -> EvalResult:
         return next(r for r in self.results if r.mode == mode)
 
+    def __repr__(self) -> str:
+        """One line: solved mazes per mode (episodes hold images: see `.episodes`)."""
+        runs = ", ".join(f"{r.policy} {r.mode} {r.solved:.1f}/{r.n_mazes} solved"
+                         + (f" ({r.episodes_per_maze} passes)" if r.episodes_per_maze > 1 else "")
+                         for r in self.results)
+        return f"EvalRecord({runs or 'no results'}, {self.seconds:.1f} s)"
+
+    def _repr_html_(self) -> str:
+        """The results as `rl.format_table`'s table."""
+        head = "".join(f"<th>{h}</th>" for h in TABLE_HEADER.split())
+        body = "".join(
+            f"<tr><td>{html.escape(r.policy)}</td><td>{r.mode}</td><td>{r.solved:.1f}/"
+            f"{r.n_mazes}</td><td>{100 * r.success_rate:.1f}%</td><td>{r.ceiling}/{r.n_mazes}"
+            f"</td><td>{r.mean_turns:.2f}</td></tr>" for r in self.results)
+        return f"<table><tr>{head}</tr>{body}</table>"
+
 
 def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitState],
              name: str = "policy", greedy: bool = True, sampled_passes: int = 2,
@@ -303,6 +429,7 @@ def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitS
              keep_streams: bool = False) -> EvalRecord:
     """Success on the fixed set, greedy and/or sampled (passes = episodes per maze).
     Episodes keep their replies and positions; token streams only with keep_streams."""
+    _check_states(states)
     start = time.perf_counter()
     runs = [("greedy", 1, 0.0)] if greedy else []
     runs += [("sampled", sampled_passes, temperature)] if sampled_passes > 0 else []

@@ -55,12 +55,12 @@ def _checkpoint_before(run_dir: Path, step: int) -> Path:
 def _update_from_record(training_client, folder: Path, config: RunConfig) -> dict[str, float]:
     record = rundir.load_step_record(folder)
     datums = rundir.load_datums(folder, training_client.get_processor(), config.maze)
+    if not datums:  # the step made no update (train_step skips it), nor does its replay
+        return {"update/datums": 0}
     up = phases.update(training_client, datums, record["loss_fn"],
                        LossConfig(**record["loss_config"]), AdamParams(**record["adam"]),
                        config.trainer.minibatch, mini_batches=config.trainer.mini_batches,
                        epochs=config.trainer.update_epochs)
-    if not up.datums:
-        return {"update/datums": 0}
     return {"update/loss": up.metrics["loss"],
             "update/kl_sampler_trainer": up.metrics["kl_sampler_trainer"],
             "update/entropy": up.metrics["entropy"],
@@ -85,10 +85,23 @@ def check_replayable(run_dir: Path, step: int) -> None:
     if not (run_dir / "config.json").is_file():
         raise ReplayError(f"{run_dir} is not a run folder (no config.json)")
     steps = recorded_steps(run_dir)
+    if not steps:
+        raise ReplayError(f"{run_dir} has no step records (steps/ is empty: the run had "
+                          "trainer.keep_step_records=false, or made no step)")
     if step not in steps:
-        kept = f"steps {steps[0]}..{steps[-1]}" if steps else "no step records"
-        raise ReplayError(f"{run_dir} has no record of step {step} ({kept} in steps/; "
-                          "trainer.keep_step_records keeps them)")
+        raise ReplayError(f"step {step} is not recorded in {run_dir}; recorded steps: "
+                          f"{step_list(steps)}")
+
+
+def step_list(steps: list[int]) -> str:
+    """Sorted step numbers in short: runs of three or more as "a..b", e.g. "1, 2" or "1..40, 45"."""
+    runs: list[list[int]] = []
+    for s in steps:
+        if runs and s == runs[-1][-1] + 1:
+            runs[-1].append(s)
+        else:
+            runs.append([s])
+    return ", ".join(f"{r[0]}..{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 def replay(run_dir: str | Path, step: int) -> ReplayResult:

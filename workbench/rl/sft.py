@@ -104,10 +104,11 @@ def run_sft(config: Any, log: Any = print) -> Path:
 
     from workbench import run as rundir
     from workbench import storage
-    from workbench.config import ConfigError, to_dict
+    from workbench.config import ConfigError, check_loggers, to_dict
     from workbench.opener import check_model, open_session, session_spec
 
     check_model(config.model.name)
+    check_loggers(config.trainer.logger)
     if storage.is_s3(config.run_dir):
         raise ConfigError(f"run_dir={config.run_dir}: sft writes a local folder, not s3://")
     run_dir = Path(config.run_dir)
@@ -128,12 +129,17 @@ def run_sft(config: Any, log: Any = print) -> Path:
     steps = sft_steps(session.training_client, config.maze, first_maze, config.sft.steps,
                       config.sft.batch_size, adam, config.sft.noise)
     log = tqdm.write if log is print else log
+    start, done = time.perf_counter(), 0
     for st in tqdm(steps, total=config.sft.steps, desc="SFT steps", leave=False, disable=None):
+        done = st.step
         rundir.append_metrics(run_dir, {"step": st.step, "sft/loss": st.loss,
                                         "sft/tokens": st.tokens, "sft/grad_norm": st.grad_norm,
-                                        "time/step": st.seconds})
+                                        "time/step": st.seconds},
+                               config.trainer.logger)
         if st.step % 25 == 0 or st.step == config.sft.steps:
             log(f"sft step {st.step:>4}  loss {st.loss:.4f}  {st.seconds:.2f}s")
+    # the bar leaves no trace (leave=False): this line stays, e.g. in a saved notebook
+    log(f"SFT steps: {done}/{config.sft.steps} in {time.perf_counter() - start:.1f} s")
     folder = session.training_client.export_model(run_dir / "model").result()
     session.close()
     return Path(folder)

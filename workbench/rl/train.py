@@ -5,9 +5,10 @@ exact resume.
 
 Every step: new sampling client from the current weights -> rollout of P mazes x G episodes
 (mazes and sampling seed are functions of the step, so a resumed run sees the same data) ->
-score -> group advantages -> datums -> one update -> metrics.jsonl. A full checkpoint holds the
-weights, optimiser, step and RNG states; `trainer.resume_mode=latest` continues from the newest
-complete one and reproduces an uninterrupted run bit for bit on CPU.
+score -> group advantages -> datums -> one update (none when no datum carries signal: the loop
+says why, once) -> metrics.jsonl; the loop ends on a "GRPO steps: N/N in S s" line. A full
+checkpoint holds the weights, optimiser, step and RNG states; `trainer.resume_mode=latest`
+continues from the newest complete one and reproduces an uninterrupted run bit for bit on CPU.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from workbench import run as rundir
 from workbench import storage
-from workbench.config import RunConfig, to_dict
+from workbench.config import RunConfig, check_loggers, to_dict
 from workbench.envs import eval_set
 from workbench.envs.rewards import REWARDS
 from workbench.opener import check_model, open_session, session_spec
@@ -64,6 +65,7 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     it; every start writes its config to config.json; a fresh run writes manifest.json and,
     when trainer.ckpt_interval > 0, its step-0 checkpoint."""
     check_model(config.model.name)  # a missing model folder: one line, no run folder touched
+    check_loggers(config.trainer.logger)  # a missing logger extra: the same
     run = open_run(config, log)
     run_dir = run.run_dir
     session = open_session(session_spec(config, run_dir), log)
@@ -118,7 +120,8 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     adam = AdamParams(learning_rate=learning_rate(c, step), grad_clip_norm=c.trainer.grad_clip_norm)
     up = phases.update(trainer.training_client, datums, c.trainer.loss, loss_cfg, adam,
                        c.trainer.minibatch, mini_batches=c.trainer.mini_batches,
-                       epochs=c.trainer.update_epochs)
+                       epochs=c.trainer.update_epochs) if datums else (
+        phases.UpdateRecord.empty(adam.learning_rate))  # no step; the loop says why, once
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
     row["time/weight_sync"] = sync_seconds
@@ -129,7 +132,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
                                 sc.rewards_P_G, adv.advantages_P_G, index, datums,
                                 {"step": step, "adam": adam.__dict__, "loss_fn": c.trainer.loss,
                                  "loss_config": loss_cfg.__dict__, "metrics": row})
-    rundir.append_metrics(trainer.run_dir, row)
+    rundir.append_metrics(trainer.run_dir, row, trainer.config.trainer.logger)
     trainer.session.report_metrics(row, trainer.run_dir.name)  # Ray: to Ray's metrics
     return row
 
@@ -242,13 +245,34 @@ def _loop(trainer: Trainer, log: Any) -> Trainer:
     bar = tqdm(total=t.total_steps, initial=trainer.step, desc="GRPO steps", leave=False,
                disable=None)  # None: no bar when output is not a terminal
     log = tqdm.write if log is print else log  # one summary line per step above the bar
+    first, start, told = trainer.step, time.perf_counter(), False
     with bar:
         while trainer.step < t.total_steps:
             row = train_step(trainer)
             bar.update(1)
             log(step_line(row))
+            if "update/loss" not in row and not told:  # once per run: why there was no update
+                log(no_update_line(row))
+                told = True
             _after_step(trainer, log)
+    log(progress_line("GRPO steps", trainer.step, t.total_steps, first,
+                      time.perf_counter() - start))  # the bar leaves no trace: this line does
     return trainer
+
+
+def no_update_line(row: dict[str, Any]) -> str:
+    """Why a step made no update (printed at the first such step of a run)."""
+    return (f"update skipped at step {row['step']}: 0 datums, all "
+            f"{row['rollout/zero_variance_groups']} groups had zero reward variance (every "
+            "episode in a group got the same reward), so no optimiser step; later steps like it "
+            "say 'no update' on their line")
+
+
+def progress_line(what: str, done: int, total: int, first: int, seconds: float) -> str:
+    """The line a progress bar leaves behind, e.g. "GRPO steps: 3/3 in 12.3 s"; a resumed
+    loop also says where it started."""
+    resumed = f" (resumed at step {first})" if first else ""
+    return f"{what}: {done}/{total} in {seconds:.1f} s{resumed}"
 
 
 def _after_step(trainer: Trainer, log: Any) -> None:
@@ -281,5 +305,5 @@ def _log_eval(trainer: Trainer, record: phases.EvalRecord, log: Any) -> None:
         row |= {f"eval/{r.mode}_success": r.success_rate, f"eval/{r.mode}_solved": r.solved,
                 f"eval/{r.mode}_turns": r.mean_turns, f"eval/{r.mode}_passes": r.episodes_per_maze,
                 "eval/ceiling": r.ceiling, "eval/n_mazes": r.n_mazes}
-    rundir.append_metrics(trainer.run_dir, row)
+    rundir.append_metrics(trainer.run_dir, row, trainer.config.trainer.logger)
     trainer.session.report_metrics(row, trainer.run_dir.name)

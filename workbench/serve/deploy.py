@@ -12,6 +12,7 @@ replica start (`__serve_build_asgi_app__`), so the same app runs under Ray and i
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -54,12 +55,21 @@ def deployment(settings: ServeSettings) -> Any:
     return OpenAIReplica.bind(settings)  # type: ignore[attr-defined]
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
 def start(settings: ServeSettings, address: str = "local", num_cpus: int = 0,
           temp_dir: str = "", log: Callable[[str], None] = print) -> Endpoint:
     """Connect to Ray (a local instance on 127.0.0.1 by default), start Serve's HTTP proxy on
-    settings.host:port and deploy; returns once every replica is up."""
+    settings.host:port (port 0: a free port) and deploy; returns once every replica is up."""
     from workbench.cluster import connect
 
+    if settings.port == 0:
+        settings = replace(settings, port=free_port(settings.host))
     connect(address, num_cpus=num_cpus or None, temp_dir=temp_dir or None, log=log)
     serve = require("ray.serve")
     serve.start(http_options={"host": settings.host, "port": settings.port})

@@ -18,6 +18,7 @@ The episode loop is not the host's: `play` runs a loop handed in by the caller (
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -242,11 +243,25 @@ def play(host: ModelHost, loop: EpisodeLoop, task: Any, init_states_P: list[Any]
 
 # ------------------------------------------------------------------------------- the trainer
 
+def warn_if_empty(call: str, datums: list[Datum]) -> None:
+    """A client's RuntimeWarning for a call without datums (Python shows it once per calling
+    line): the output is marked empty, and its loss 0.0 is not a loss."""
+    if not datums:
+        warnings.warn(f"{call} got 0 datums: nothing computed, no gradient; its output is "
+                      "marked empty (out.empty), its loss 0.0 is no loss", RuntimeWarning,
+                      stacklevel=3)
+
+
 def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
             backward: bool) -> ForwardBackwardOutput:
-    """Loss, metrics and trainer log-probs of the datums; with backward, gradients accumulate."""
+    """Loss, metrics and trainer log-probs of the datums; with backward, gradients accumulate.
+    No datums: an output marked empty (nothing computed; the client warns)."""
     if loss_fn not in LOSSES:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; choose one of {sorted(LOSSES)}")
+    if not datums:
+        return ForwardBackwardOutput(0.0, {"loss": 0.0, "kl_sampler_trainer": 0.0,
+                                           "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0},
+                                     [], empty=True)
     trainer_weights(host)
     model = host.lm.model
     model.train(backward)

@@ -74,12 +74,15 @@ class TrainingClient:
                 loss_fn_config: LossConfig | None = None) -> Future:
         """Loss and trainer log-probs without gradients -> Future[ForwardBackwardOutput]."""
         cfg = loss_fn_config or LossConfig()
+        host.warn_if_empty("forward", datums)
         return self._session.submit(lambda h: host.forward(h, datums, loss_fn, cfg, backward=False))
 
     def forward_backward(self, datums: list[Datum], loss_fn: str,
                          loss_fn_config: LossConfig | None = None) -> Future:
-        """Accumulate gradients of the loss -> Future[ForwardBackwardOutput]."""
+        """Accumulate gradients of the loss -> Future[ForwardBackwardOutput]; no datums: a
+        RuntimeWarning and an output marked empty."""
         cfg = loss_fn_config or LossConfig()
+        host.warn_if_empty("forward_backward", datums)
         return self._session.submit(lambda h: host.forward(h, datums, loss_fn, cfg, backward=True))
 
     def optim_step(self, adam: AdamParams) -> Future:

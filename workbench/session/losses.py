@@ -21,12 +21,13 @@ import torch
 
 @dataclass(frozen=True)
 class LossConfig:
-    """Knobs of the policy losses (SkyRL's PPO defaults: clip 0.2 / 0.2)."""
+    """Knobs of the policy losses (SkyRL's PPO defaults: clip 0.2 / 0.2; the reduction is the
+    run's default, trainer.loss_reduction)."""
 
     clip_low: float = 0.2  # PPO: ratio floor is 1 - clip_low
     clip_high: float = 0.2  # PPO: ratio ceiling is 1 + clip_high
     cispo_max: float = 4.0  # CISPO: ratio weights clipped to [0, cispo_max]
-    reduction: str = "sum"  # "sum" | "token_mean" | "sequence_mean"
+    reduction: str = "sequence_mean"  # "sum" | "token_mean" | "sequence_mean" (the run's default)
     temperature: float = 1.0  # trainer log-probs at the sampling temperature
 
     def __post_init__(self) -> None:

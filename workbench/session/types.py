@@ -60,6 +60,17 @@ class ForwardBackwardOutput:
     loss: float
     metrics: dict[str, float]
     logprobs_B_T: list[list[float]] = field(default_factory=list)
+    empty: bool = False  # the call got no datums: nothing was computed, no gradient (loss 0.0)
+
+    def __repr__(self) -> str:
+        """One line: loss, sequences, tokens, KL, clip fraction, entropy (no log-prob lists)."""
+        if self.empty:
+            return "ForwardBackwardOutput(empty: 0 datums, nothing computed, no gradient)"
+        m = self.metrics
+        return (f"ForwardBackwardOutput(loss {self.loss:+.4g}, B={len(self.logprobs_B_T)} "
+                f"sequences, {m.get('tokens', 0)} tokens, kl "
+                f"{m.get('kl_sampler_trainer', 0.0):.2g}, clip {m.get('clip_fraction', 0.0):.3f},"
+                f" entropy {m.get('entropy', 0.0):.3g})")
 
 
 @dataclass(frozen=True)

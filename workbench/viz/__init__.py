@@ -2,22 +2,29 @@
 
 Everything here reads records - Episodes, episode summaries from a step record, metrics.jsonl
 rows, a run directory - and never a live trainer, so it works on finished and running runs.
+Colours come from one palette (`PALETTE`), so a quantity looks the same in every notebook.
 
-    fig = plot_training(read_metrics("runs/grpo"))          # rollouts, behaviour, eval + band
+    fig = plot_training(read_metrics("runs/grpo"))          # rollouts, behaviour, eval, update
     trajectory_player(episode)                               # a widget: slider over turns
     step_inspector("runs/grpo")                              # pick a step, see it, replay it
 
-matplotlib and ipywidgets are imported when a function needs them.
+A viewer displays a static picture (`viewer.png()`) above its live widget, so a saved notebook
+and its HTML keep the trajectories. matplotlib and ipywidgets are imported when needed.
 """
 
 from workbench.viz.episodes import (
     as_record,
     draw_episode,
     episode_grid,
+    episode_strip,
+    episode_strip_png,
+    figure_png,
     frame_png,
     turn_rows,
 )
+from workbench.viz.palette import PALETTE
 from workbench.viz.plots import (
+    group_by_layer,
     noise_band,
     plot_advantages,
     plot_grad_norms,
@@ -35,8 +42,9 @@ from workbench.viz.widgets import (
 )
 
 __all__ = [
-    "GroupView", "Player", "StepInspector", "as_record", "draw_episode", "episode_grid",
-    "frame_png", "group_view", "noise_band", "plot_advantages", "plot_grad_norms",
+    "PALETTE", "GroupView", "Player", "StepInspector", "as_record", "draw_episode",
+    "episode_grid", "episode_strip", "episode_strip_png", "figure_png", "frame_png",
+    "group_by_layer", "group_view", "noise_band", "plot_advantages", "plot_grad_norms",
     "plot_logprob_scatter", "plot_phase_times", "plot_training", "step_inspector",
     "trajectory_player", "turn_rows",
 ]

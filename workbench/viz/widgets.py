@@ -5,12 +5,17 @@ inspector. They read records (Episodes, episode summaries, a run directory), nev
     group_view(ro.episodes_P_G[0], adv_P_G[0]) # the G episodes of one maze side by side
     step_inspector("runs/grpo")                # pick a step: its metrics, episodes, replay
 
-Each returns a small dataclass holding the widget (displayed by a notebook cell) and its parts,
-so a test can move a slider and read what is shown without a browser (ipywidgets 8).
+Each returns a small dataclass holding the widget and its parts, so a test can move a slider and
+read what is shown without a browser (ipywidgets 8). A notebook cell displays a viewer as two
+outputs: a static picture first (`viewer.png()`: the episode's frames as one strip, the group's
+episodes on their mazes; the step inspector adds the step's metrics as HTML), then the live
+widget. A saved or papermill-run notebook, and its nbconvert HTML, keep the picture; a live
+JupyterLab shows both.
 """
 
 from __future__ import annotations
 
+import base64
 import html
 import json
 from collections.abc import Callable
@@ -21,15 +26,42 @@ from typing import Any
 import numpy as np
 
 from workbench.deps import require
-from workbench.viz.episodes import EpisodeLike, as_record, frame_png, turn_rows
+from workbench.viz.episodes import (
+    EpisodeLike,
+    as_record,
+    episode_strip_png,
+    figure_png,
+    frame_png,
+    grid_figure,
+    turn_rows,
+)
+
+
+def png_bundle(png: bytes, alt: str) -> dict[str, str]:
+    """A display bundle of a PNG (base64, as a notebook stores it) with a text fallback."""
+    return {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": alt}
 
 
 class _Displayed:
-    """Displays as its `widget`."""
+    """Displayed by IPython as its static outputs (`static_outputs`), then its live `widget`:
+    nbconvert renders a widget view in preference to an image of the same output, so the
+    picture must be an output of its own."""
 
     widget: Any
 
+    def static_outputs(self) -> list[dict[str, str]]:
+        """Display bundles shown above the widget (the saved notebook's pictures)."""
+        raise NotImplementedError
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        for bundle in self.static_outputs():
+            display(bundle, raw=True)
+        display(self.widget)
+
     def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        """The live widget alone (front ends that do not call `_ipython_display_`)."""
         return self.widget._repr_mimebundle_(**kwargs)
 
 
@@ -52,6 +84,15 @@ class Player(_Displayed):
     image: Any
     text: Any
     rows: list[dict[str, Any]]
+    record: dict[str, Any]  # the episode's summary (workbench.run.episode_summary)
+
+    def png(self, frame_px: int = 96, cols: int = 10) -> bytes:
+        """The static picture: every frame of the episode in one labelled strip."""
+        return episode_strip_png(self.record, frame_px, cols)
+
+    def static_outputs(self) -> list[dict[str, str]]:
+        n = len(self.rows)
+        return [png_bundle(self.png(), f"<episode: {n} turns, frames 1..{n + 1}>")]
 
 
 def _frames(episode: dict[str, Any], px_per_cell: int) -> Callable[[int], bytes]:
@@ -81,7 +122,7 @@ def trajectory_player(episode: EpisodeLike, px_per_cell: int = 32, width: int = 
         text.value = turn_html(rows[change["new"] - 1])
     slider.observe(show, names="value")
     box = w.VBox([w.HBox([play, slider]), w.HBox([image, text])])
-    return Player(box, slider, play, image, text, rows)
+    return Player(box, slider, play, image, text, rows, rec)
 
 
 @dataclass
@@ -93,6 +134,25 @@ class GroupView(_Displayed):
     images: list[Any]
     texts: list[Any]
     headers: list[Any]
+    records_G: list[dict[str, Any]]  # the episodes' summaries
+    advantages_G: np.ndarray  # float (G,), zeros when none were given
+
+    def figure(self, title: str = "") -> Any:
+        """The G episodes on their maze (a bare matplotlib Figure), titled with sample, reward
+        and advantage."""
+        titles = [f"sample {g}: reward {r['reward']:.2g}, adv {a:+.2f}"
+                  for g, (r, a) in enumerate(zip(self.records_G, self.advantages_G))]
+        fig = grid_figure(self.records_G, titles, cols=4, panel_in=2.6, pyplot=False)
+        if title:
+            fig.suptitle(title, fontsize=10)
+        return fig
+
+    def png(self, title: str = "") -> bytes:
+        """The static picture: `figure` as PNG."""
+        return figure_png(self.figure(title))
+
+    def static_outputs(self) -> list[dict[str, str]]:
+        return [png_bundle(self.png(), f"<group of {len(self.records_G)} episodes>")]
 
 
 def _column_html(rows: list[dict[str, Any]], turn: int) -> str:
@@ -124,7 +184,8 @@ def group_view(episodes_G: list[EpisodeLike], advantages_G: Any = None, px_per_c
             texts[g].value = _column_html(rows, change["new"])
     slider.observe(show, names="value")
     columns = [w.VBox([h, i, t]) for h, i, t in zip(headers, images, texts)]
-    return GroupView(w.VBox([slider, w.HBox(columns)]), slider, images, texts, headers)
+    return GroupView(w.VBox([slider, w.HBox(columns)]), slider, images, texts, headers, recs,
+                     adv_G)
 
 
 def step_metrics(run_dir: str | Path, step: int) -> dict[str, Any]:
@@ -144,10 +205,13 @@ def recorded_steps(run_dir: str | Path) -> list[int]:
     return sorted(int(f.parent.name.removeprefix("step_")) for f in folders)
 
 
-def _metrics_html(values: dict[str, Any]) -> str:
-    cells = "".join(f"<tr><td>{k}</td><td>{v:.4g}</td></tr>" if isinstance(v, float)
-                    else f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in values.items())
-    return f"<table>{cells}</table>"
+def _metrics_html(values: dict[str, Any], columns: int = 1) -> str:
+    """A table of metric, value pairs, `columns` pairs per row."""
+    cells = [f"<td>{html.escape(k)}</td><td>{v:.4g}</td>" if isinstance(v, float)
+             else f"<td>{html.escape(k)}</td><td>{html.escape(str(v))}</td>"
+             for k, v in values.items()]
+    rows = ["".join(cells[i:i + columns]) for i in range(0, len(cells), columns)]
+    return "<table>" + "".join(f"<tr>{r}</tr>" for r in rows) + "</table>"
 
 
 def replay_html(result: Any) -> str:
@@ -173,6 +237,21 @@ class StepInspector(_Displayed):
     replay_text: Any
     run_dir: Path
     view: GroupView | None = field(default=None)
+
+    def _caption(self) -> str:
+        return f"step {self.step.value}, maze {self.group.value}"
+
+    def png(self) -> bytes:
+        """The static picture: the shown group's episodes (GroupView.png), captioned."""
+        assert self.view is not None, "step_inspector sets the view"
+        return self.view.png(title=f"{self._caption()}: the group's samples")
+
+    def static_outputs(self) -> list[dict[str, str]]:
+        values = step_metrics(self.run_dir, self.step.value)
+        head = f"<b>{self._caption()}</b> of {html.escape(str(self.run_dir))}"
+        return [{"text/html": head + _metrics_html(values, columns=3),
+                 "text/plain": f"{self._caption()}: {len(values)} metrics"},
+                png_bundle(self.png(), f"<{self._caption()}: its group's episodes>")]
 
 
 def _px_per_cell(run_dir: Path) -> int:
