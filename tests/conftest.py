@@ -201,7 +201,7 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_gpu_paths::test_lora_in_model_dtype_keeps_the_gradients": ("gpu", "slow"),  # 5 s
     "test_notebooks::test_notebook_is_clean_and_has_its_parameters_cell": (),
     "test_notebooks::test_every_notebook_is_listed": (),
-    "test_notebooks::test_06_serve": ("notebook", "ray", "slow"),
+    "test_notebooks::test_06_serve_on_local_ray": ("notebook", "ray", "slow"),
     "test_notebooks::test_07_session_api_on_local_ray": ("notebook", "ray", "slow"),
     "test_notebooks::test_trajectory_player_in_a_real_browser": ("notebook", "browser", "slow"),
     "test_registry::test_eval_straight_from_s3": ("slow",),  # 9 s

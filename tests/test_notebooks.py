@@ -233,19 +233,28 @@ def test_05_evaluate(kernel: str, tiny_dir: Path, sft_model: str, tmp_path: Path
     assert_pictures_saved(tmp_path / "05_evaluate.ipynb")
 
 
-def test_06_serve(kernel: str, sft_model: str, tmp_path: Path,
-                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """Publish and promote a 1-step adapter, serve it on a local Ray (Serve on 127.0.0.1, a free
+def test_06_serve(kernel: str, sft_model: str, tmp_path: Path) -> None:
+    """Publish and promote a 1-step adapter, serve it in the kernel's process (127.0.0.1, a free
     port), play maze 0 through the endpoint: the same moves as the in-process greedy rollout."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    m = run_notebook("06_serve", kernel, tmp_path)
+    assert m["models"] == ["sft", "sft:maze-nb", "sft:default"] and m["default"] == "maze-nb"
+    assert m["step"] == 1 and m["cluster"] == "in-process" and m["same_as_in_process"]
+    assert 1 <= m["turns"] == len(m["replies"]) == m["requests"] <= 15
+    assert_pictures_saved(tmp_path / "06_serve.ipynb")
+
+
+def test_06_serve_on_local_ray(kernel: str, sft_model: str, tmp_path: Path,
+                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """RAY_ADDRESS="local": the same endpoint as a Ray Serve replica of a local Ray."""
     pytest.importorskip("ray.serve")
     pytest.importorskip("openai")
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray
     monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
-    m = run_notebook("06_serve", kernel, tmp_path)
-    assert m["models"] == ["sft", "sft:maze-nb", "sft:default"] and m["default"] == "maze-nb"
-    assert m["step"] == 1 and m["cluster"] == "local" and m["same_as_in_process"]
-    assert 1 <= m["turns"] == len(m["replies"]) == m["requests"] <= 15
-    assert_pictures_saved(tmp_path / "06_serve.ipynb")
+    m = run_notebook("06_serve", kernel, tmp_path, RAY_ADDRESS="local")
+    assert m["models"] == ["sft", "sft:maze-nb", "sft:default"] and m["cluster"] == "local"
+    assert m["same_as_in_process"] and m["turns"] == m["requests"]
 
 
 def test_07_session_api(kernel: str, sft_model: str, tmp_path: Path) -> None:

@@ -211,6 +211,32 @@ def test_an_episode_through_the_endpoint_is_the_greedy_rollout(sft_model: str) -
         assert episode.replies == expected.replies and episode.positions == expected.positions
 
 
+def test_in_process_endpoint_serves_over_http_and_stops(local_store: storage.Store,
+                                                        tiny_dir: Path) -> None:
+    """address "": the same app on a uvicorn thread of this process, on a free port (port 0);
+    real HTTP requests; after shutdown(endpoint) the port is free again."""
+    pytest.importorskip("uvicorn")
+    import httpx
+
+    from workbench.serve import serve, shutdown
+
+    with pytest.raises(ValueError, match="2 replicas need Ray"):
+        serve(str(tiny_dir), replicas=2, address="")
+    endpoint = serve(str(tiny_dir), served_name="tiny", adapters=local_store.root, port=0,
+                     api_key=KEY, address="", log=lambda line: None)
+    headers = {"Authorization": f"Bearer {KEY}"}
+    try:
+        ids = [m["id"] for m in httpx.get(f"{endpoint.base_url}/models", headers=headers)
+               .json()["data"]]
+        assert ids[0] == "tiny" and "tiny:a1" in ids and endpoint.num_replicas == 1
+        assert httpx.get(f"{endpoint.base_url}/models").status_code == 401
+    finally:
+        shutdown(endpoint)
+    port = int(endpoint.base_url.rsplit(":", 1)[1].split("/")[0])
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))  # nothing listens there any more
+
+
 def test_api_key_is_required(client) -> None:
     assert client.get("/v1/models", headers={"Authorization": ""}).status_code == 401
     wrong = client.get("/v1/models", headers={"Authorization": "Bearer nope"})

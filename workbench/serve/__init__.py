@@ -1,6 +1,7 @@
 """Serving: an OpenAI-compatible endpoint over one base model and many LoRA adapters
 (`<base>:<adapter>`), adapters fetched from the registry's store on first use and LRU-cached per
-replica; Ray Serve runs the replicas. See `workbench.serve.deploy` (start, serve, shutdown),
+replica; Ray Serve runs the replicas (or, with address "", a uvicorn thread of this process).
+See `workbench.serve.deploy` (start, serve, shutdown),
 `workbench.serve.app` (the ASGI app), `workbench.serve.engine` (base + adapters + sampler) and
 `workbench.serve.vllm` (the GPU config for Ray Serve LLM).
 
@@ -15,14 +16,16 @@ __all__ = ["ChatRequest", "RequestError", "ServeSettings", "image_data_url", "ke
 
 
 def serve(*args, **kwargs):  # see workbench.serve.deploy.serve
-    """Start the endpoint on Ray Serve (see `workbench.serve.deploy.serve`)."""
+    """Start the endpoint on Ray Serve, or in this process with address="" (see
+    `workbench.serve.deploy.serve`)."""
     from workbench.serve.deploy import serve as start
 
     return start(*args, **kwargs)
 
 
-def shutdown(disconnect: bool = False) -> None:
-    """Stop the endpoint (see `workbench.serve.deploy.shutdown`)."""
+def shutdown(endpoint=None, disconnect: bool = False) -> None:
+    """Stop the endpoint: its in-process server, or Ray Serve's application (see
+    `workbench.serve.deploy.shutdown`)."""
     from workbench.serve.deploy import shutdown as stop
 
-    stop(disconnect)
+    stop(endpoint, disconnect)

@@ -1,10 +1,12 @@
 """Ray Serve deployment of the OpenAI-compatible app: N replicas, each with its own engine and
-adapter LRU, behind Ray Serve's HTTP proxy on 127.0.0.1.
+adapter LRU, behind Ray Serve's HTTP proxy on 127.0.0.1; or, with address "", the same app on a
+uvicorn thread of this process (one replica, no Ray: a notebook's quick look).
 
     python -m workbench serve --adapters s3://bucket/workbench --replicas 2 --port 8000
     endpoint = serve(adapters="s3://bucket/workbench", replicas=2)     # from a notebook
     OpenAI(base_url=endpoint.base_url, api_key=...).chat.completions.create(model=..., ...)
-    shutdown()
+    shutdown(endpoint)
+    endpoint = serve(adapters="runs/store", address="")                # in this process
 
 The replica class is `@serve.ingress()` over `workbench.serve.app.build_app(engine)`, built at
 replica start (`__serve_build_asgi_app__`), so the same app runs under Ray and in unit tests.
@@ -13,6 +15,7 @@ replica start (`__serve_build_asgi_app__`), so the same app runs under Ray and i
 from __future__ import annotations
 
 import socket
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -30,6 +33,7 @@ class Endpoint:
     base_url: str  # http://127.0.0.1:<port>/v1
     model: str  # the base id; adapters are f"{model}:{name}"
     num_replicas: int
+    stop: Callable[[], None] | None = None  # in this process: stops its server; None: Ray Serve
 
 
 def deployment(settings: ServeSettings) -> Any:
@@ -70,6 +74,8 @@ def start(settings: ServeSettings, address: str = "local", num_cpus: int = 0,
 
     if settings.port == 0:
         settings = replace(settings, port=free_port(settings.host))
+    if address == "":
+        return start_in_process(settings, log)
     connect(address, num_cpus=num_cpus or None, temp_dir=temp_dir or None, log=log)
     serve = require("ray.serve")
     serve.start(http_options={"host": settings.host, "port": settings.port})
@@ -94,8 +100,42 @@ def serve(model: str = "tiny", adapters: str = "", replicas: int = 1, port: int 
     return start(config, address, log=log)
 
 
-def shutdown(disconnect: bool = False) -> None:
-    """Stop the Serve application (and leave Ray when disconnect)."""
+def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print) -> Endpoint:
+    """The same app on a uvicorn thread of this process, no Ray; returns once it listens."""
+    if settings.num_replicas != 1:
+        raise ValueError(f"{settings.num_replicas} replicas need Ray: pass address='local' "
+                         "(or a cluster); in this process there is one")
+    uvicorn = require("uvicorn")
+    from workbench.serve.app import build_app
+    from workbench.serve.engine import open_engine
+
+    app = build_app(open_engine(settings))
+    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, name="workbench-serve", daemon=True)
+    thread.start()
+    while not server.started:  # uvicorn sets it once the socket listens
+        if not thread.is_alive():
+            raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
+                               "(is the port taken?)")
+        thread.join(0.05)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join()
+
+    endpoint = Endpoint(f"http://{settings.host}:{settings.port}/v1", settings.base_id, 1, stop)
+    log(f"serving {settings.base_id} (+ adapters from {settings.adapters or 'nowhere'}) at "
+        f"{endpoint.base_url} in this process, adapter cache {settings.cache_size}")
+    return endpoint
+
+
+def shutdown(endpoint: Endpoint | None = None, disconnect: bool = False) -> None:
+    """Stop the endpoint: its in-process server, or the Serve application (and leave Ray when
+    disconnect)."""
+    if endpoint is not None and endpoint.stop is not None:
+        endpoint.stop()
+        return
     serve = require("ray.serve")
     serve.shutdown()
     if disconnect:
