@@ -19,7 +19,7 @@ def test_demo_runs_end_to_end_at_toy_scale(sft_model: str, tmp_path: Path) -> No
     assert json.loads((tmp_path / "summary.json").read_text())["table"] == summary["table"]
     from PIL import Image
 
-    assert Image.open(tmp_path / "training.png").size == (1200, 304)  # 15 x 3.8 in at 80 dpi
+    assert Image.open(tmp_path / "training.png").size == (1040, 680)  # 13 x 8.5 in at 80 dpi
     assert Image.open(tmp_path / "episodes.png").size[0] == 960  # 4 columns x 3 in at 80 dpi
     assert summary["start_model"] == sft_model
     assert (tmp_path / "grpo" / "exports" / "global_step_2" / "adapter_model.safetensors").exists()

@@ -69,6 +69,8 @@ def plot_training(rows: list[dict], title: str = "GRPO", ceiling: float | None =
     ax2.set_title("behaviour per step")
     _eval_panel(ax3, evals, ceiling)
     _update_panel(ax4, steps)
+    for ax in axes.flat:  # steps are whole numbers
+        ax.xaxis.set_major_locator(plt.MaxNLocator(integer=True))
     return fig
 
 
