@@ -151,15 +151,39 @@ def max_lora_rank(rank: int) -> int:
     return fits[0]
 
 
+LORA_DTYPES = ("bfloat16", "float16")
+"""The dtypes vLLM's LoRA kernels take (they assert it at the first LoRA request)."""
+
+
+def model_max_len(config: Any) -> int:
+    """The model's context limit: its (text) config's max_position_embeddings."""
+    return int(getattr(config, "text_config", config).max_position_embeddings)
+
+
+def checked_max_len(settings: EngineSettings, dtype: str, model_len: int) -> int:
+    """vLLM's max_model_len for this model (settings.max_model_len, 0: the model's own), or a
+    one-line error for settings vLLM would refuse (or a LoRA dtype its kernels assert on)."""
+    if dtype not in LORA_DTYPES:
+        raise ValueError(f"generator.engine=vllm samples LoRA adapters, and vLLM's LoRA kernels "
+                         f"take {' or '.join(LORA_DTYPES)} only, not {dtype}: set "
+                         "model.dtype=bfloat16")
+    length = settings.max_model_len or model_len
+    if length > model_len:
+        raise ValueError(f"vLLM max_model_len {length} is above the model's "
+                         f"max_position_embeddings {model_len}: use {model_len} or less (0: the "
+                         "model's own)")
+    return length
+
+
 def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
-                  dtype: str) -> dict[str, Any]:
+                  dtype: str, max_model_len: int) -> dict[str, Any]:
     """Keyword arguments of vllm.LLM for a LoRA sampler of `model_path`."""
     return dict(
         model=model_path, tokenizer=model_path, dtype=dtype, seed=settings.seed,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=True,  # multi-turn prefixes and the G rows of a maze are reused
         enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1,
-        max_model_len=settings.max_model_len,
+        max_model_len=max_model_len,
         limit_mm_per_prompt={"image": settings.max_images},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
     )
@@ -202,7 +226,8 @@ class VLLMEngine:
         self.adapter_root = Path(adapter_root)
         self.version: int | None = None  # None: the base model, no adapter
         dtype = str(lm.model.dtype).removeprefix("torch.")
-        self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype))
+        length = checked_max_len(settings, dtype, model_max_len(lm.model.config))
+        self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype, length))
 
     def adapter_folder(self, version: int) -> Path:
         """Where version `version`'s PEFT adapter is written."""
