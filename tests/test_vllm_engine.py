@@ -394,8 +394,8 @@ def _real_vllm() -> bool:
     return torch.cuda.is_available()
 
 
-@pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (never run: vllm cannot "
-                    "be installed on the CPU machine nor on the H200 machine available)")
+@pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (on the H200: vLLM 0.26.0 "
+                    "from shared/gpu/gpu_site.tar.xz)")
 def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path) -> None:
     """On a GPU with vllm: a rollout through vLLM, then the trainer re-scores the sampled tokens;
     the sampler's log-probs must agree (the request glue and the logprobs_mode are right)."""
