@@ -416,3 +416,43 @@ def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path) -> None:
         assert max(diffs) < 2e-2
     finally:
         session.close()
+
+
+@pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (on the H200: vLLM 0.26.0 "
+                    "from shared/gpu/gpu_site.tar.xz)")
+def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, tiny) -> None:
+    """A step of cross-entropy on v0's own samples makes v1: the trainer's log-probs of those
+    replies rise, and vLLM's next-token log-probs match the trainer's of the version each client
+    pins (v1 for the new client, still v0 for the old one) within bf16 rounding."""
+    session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
+                                         device="cuda", dtype="bfloat16",
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
+    try:
+        tc, fmt = session.training_client, chat_format(tiny.processor)
+        prompt = _two_turn_stream(tiny)
+        v0 = tc.save_weights_and_get_sampling_client()
+        seqs = v0.sample(prompt, 8, SamplingParams(max_tokens=3), seed=0).result().sequences
+        streams = [append_reply(prompt, fmt, c.tokens, c.logprobs) for c in seqs]
+        tc.forward_backward([datum_from_stream(st, 1.0) for st in streams], "cross_entropy")
+        tc.optim_step(AdamParams(learning_rate=5e-2)).result()
+        v1 = tc.save_weights_and_get_sampling_client()
+
+        def reply_logprob(client, stream: Stream) -> float:
+            return sum(lp for lp, m in zip(client.compute_logprobs(stream).result(),
+                                           stream.loss_mask_T) if m)
+
+        def vllm_gap(client, stream: Stream) -> float:
+            [c] = client.sample(stream, 1, SamplingParams(max_tokens=1), seed=1).result().sequences
+            full = append_reply(stream, fmt, c.tokens, c.logprobs)
+            return abs(c.logprobs[0] - client.compute_logprobs(full).result()[len(stream)])
+
+        rises = [reply_logprob(v1, st) - reply_logprob(v0, st) for st in streams]
+        gaps = {name: max(vllm_gap(client, st) for st in streams)
+                for name, client in (("v1", v1), ("v0", v0))}
+        print(f"v1 - v0 trainer log-prob of v0's replies: min {min(rises):.3g}; vLLM vs trainer "
+              f"next-token log-prob, max |diff|: {gaps}")
+        assert min(rises) > 0.1, "the step did not raise the sampled replies"
+        assert gaps["v1"] < 2e-2, "vLLM did not sample the v1 adapter"
+        assert gaps["v0"] < 2e-2, "the older client no longer samples v0"
+    finally:
+        session.close()
