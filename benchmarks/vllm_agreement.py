@@ -1,0 +1,87 @@
+"""Sampler (vLLM) vs trainer log-probs at a model shape, on a CUDA machine with vLLM: a short
+rollout of the seed's mazes through `generator.engine=vllm`, then the trainer re-scores every
+sampled reply token with the same weights (bf16 both sides). Prints one line of figures.
+
+    python3 benchmarks/vllm_agreement.py --shape qwen3-vl-8b-shape   # random 8B weights
+    python3 benchmarks/vllm_agreement.py --model /path/to/folder      # any saved checkpoint
+
+A shape is built with random weights and saved to --folder first (vLLM loads from disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+
+def save_shape(shape: str, folder: Path) -> None:
+    """Random bf16 weights of `shape` saved as a checkpoint folder (kept when already there)."""
+    import torch
+
+    from workbench.model import load_model
+
+    if (folder / "config.json").is_file():
+        return
+    lm = load_model(shape, dtype=torch.bfloat16, device="cuda")
+    lm.model.save_pretrained(folder, max_shard_size="5GB")
+    lm.processor.save_pretrained(folder)
+    del lm
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen3-vl-8b-shape")
+    parser.add_argument("--model", default="", help="a checkpoint folder (instead of --shape)")
+    parser.add_argument("--folder", default="/tmp/vllm-shape")
+    parser.add_argument("--rank", type=int, default=32)
+    parser.add_argument("--memory", type=float, default=0.5, help="vLLM's GPU memory share")
+    parser.add_argument("--mazes", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=4)
+    args = parser.parse_args()
+
+    from workbench.config import PRESETS
+    from workbench.envs import eval_set
+    from workbench.model import LoraSettings
+    from workbench.policy import SamplingParams
+    from workbench.policy.engine import EngineSettings
+    from workbench.rl.rollout import play_episodes
+    from workbench.session import SessionSpec, create_session
+
+    t0 = time.perf_counter()
+    model = args.model
+    if not model:
+        save_shape(args.shape, Path(args.folder))
+        model = args.folder
+    maze = PRESETS["seed_gpu"].maze
+    spec = SessionSpec(model, LoraSettings(rank=args.rank, alpha=2 * args.rank),
+                       workdir="/tmp/vllm-agreement", device="cuda", dtype="bfloat16",
+                       engine=EngineSettings("vllm", gpu_memory_utilization=args.memory))
+    session = create_session(spec)
+    up_s = time.perf_counter() - t0
+    try:
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        t1 = time.perf_counter()
+        episodes = sampler.play(play_episodes, maze, eval_set(maze.size, args.mazes),
+                                args.samples, SamplingParams(max_tokens=8), 0).result()
+        rollout_s = time.perf_counter() - t1
+        diffs = []
+        for ep in (e for group in episodes for e in group):
+            rescored = sampler.compute_logprobs(ep.stream).result()
+            diffs += [abs(a - b) for a, b, m in
+                      zip(ep.stream.logprobs_T, rescored, ep.stream.loss_mask_T) if m]
+        turns = sum(ep.turns for g in episodes for ep in g)
+        print(f"{args.model or args.shape}: bf16, LoRA r{args.rank}; {len(diffs)} reply tokens "
+              f"over {turns} turns: sampler vs trainer log-prob max |diff| {max(diffs):.4f}, "
+              f"median {statistics.median(diffs):.4f}, mean {statistics.fmean(diffs):.4f}; "
+              f"session up in {up_s:.0f} s, rollout {rollout_s:.1f} s", flush=True)
+    finally:
+        session.close()
+
+
+if __name__ == "__main__":
+    main()
