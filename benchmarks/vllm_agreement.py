@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--memory", type=float, default=0.5, help="vLLM's GPU memory share")
     parser.add_argument("--mazes", type=int, default=4)
     parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--fp32-baseline", action="store_true",
+                        help="then score the same tokens with the base in float32: how far each "
+                             "bf16 side (vLLM, trainer) is from it")
     args = parser.parse_args()
 
     from workbench.config import PRESETS
@@ -69,9 +72,10 @@ def main() -> None:
         episodes = sampler.play(play_episodes, maze, eval_set(maze.size, args.mazes),
                                 args.samples, SamplingParams(max_tokens=8), 0).result()
         rollout_s = time.perf_counter() - t1
-        diffs = []
+        diffs, rescored_E = [], []
         for ep in (e for group in episodes for e in group):
             rescored = sampler.compute_logprobs(ep.stream).result()
+            rescored_E.append(rescored)
             diffs += [abs(a - b) for a, b, m in
                       zip(ep.stream.logprobs_T, rescored, ep.stream.loss_mask_T) if m]
         turns = sum(ep.turns for g in episodes for ep in g)
@@ -81,6 +85,37 @@ def main() -> None:
               f"session up in {up_s:.0f} s, rollout {rollout_s:.1f} s", flush=True)
     finally:
         session.close()
+    if args.fp32_baseline:
+        streams = [ep.stream for group in episodes for ep in group]
+        fp32_baseline(model, streams, rescored_E)
+
+
+def fp32_baseline(model: str, streams: list, rescored_E: list[list[float]]) -> None:
+    """The base in float32 scores the same reply tokens (a fresh LoRA adds nothing): the
+    distance of vLLM's and of the bf16 trainer's log-probs from it."""
+    import torch
+
+    from workbench.model import load_model
+    from workbench.policy import chat_format
+    from workbench.policy.forward import token_logprobs
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    lm = load_model(model, dtype=torch.float32, device="cuda")
+    fmt = chat_format(lm.processor)
+    pad = lm.processor.tokenizer.pad_token_id or 0
+    vllm_d, trainer_d = [], []
+    with torch.no_grad():
+        for stream, rescored in zip(streams, rescored_E):
+            logp, _ = token_logprobs(lm.model, [stream], 1.0, fmt.banned, pad)
+            exact = logp[0].tolist()
+            for t, m in enumerate(stream.loss_mask_T):
+                if m:
+                    vllm_d.append(abs(stream.logprobs_T[t] - exact[t]))
+                    trainer_d.append(abs(rescored[t] - exact[t]))
+    for name, d in (("vLLM bf16", vllm_d), ("trainer bf16", trainer_d)):
+        print(f"{name} vs base fp32: max |diff| {max(d):.4f}, median {statistics.median(d):.4f}, "
+              f"mean {statistics.fmean(d):.4f}", flush=True)
 
 
 if __name__ == "__main__":
