@@ -162,6 +162,21 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
     return storage.open_store(f"{bucket}/some/prefix", request.getfixturevalue("s3_server"))
 
 
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A kernelspec named workbench-test for this interpreter on a temporary JUPYTER_PATH
+    (searched first), so a clean clone needs nothing registered: the notebooks' and viewers'
+    kernel tests."""
+    from ipykernel.kernelspec import install
+
+    prefix = tmp_path_factory.mktemp("jupyter")
+    install(kernel_name="workbench-test", display_name="Python (workbench test)",
+            prefix=str(prefix))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
+        yield "workbench-test"
+
+
 # ------------------------------------------------------------------ test tiers (markers)
 # `make test` runs everything; `make test-fast` deselects slow, ray, notebook, browser and gpu
 # (the inner loop, under 3 min on 2 cores). Markers are assigned here, not in the test files:

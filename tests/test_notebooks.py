@@ -33,7 +33,6 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 NAMES = ["00_quickstart", "01_mazes", "02_rollouts", "03_update", "04_train", "05_evaluate",
          "06_serve", "07_session_api"]
-KERNEL = "workbench-test"
 ARTIFACTS = ROOT / "runs" / "test-artifacts"
 
 
@@ -68,18 +67,6 @@ def test_every_notebook_is_listed() -> None:
 
 
 # ---------------------------------------------------------------- papermill runs
-
-
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A kernelspec for this interpreter on a temporary JUPYTER_PATH (searched first)."""
-    from ipykernel.kernelspec import install
-
-    prefix = tmp_path_factory.mktemp("jupyter")
-    install(kernel_name=KERNEL, display_name="Python (workbench test)", prefix=str(prefix))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
-        yield KERNEL
 
 
 def run_notebook(name: str, kernel: str, out: Path, **parameters) -> dict:

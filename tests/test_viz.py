@@ -298,19 +298,6 @@ def test_displaying_a_viewer_shows_its_picture_then_the_widget(shell, tmp_path: 
     assert _decode(picture["image/png"]).size[0] > 0 and WIDGET in widget
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A kernelspec for this interpreter on a temporary JUPYTER_PATH (as test_notebooks)."""
-    from ipykernel.kernelspec import install
-
-    prefix = tmp_path_factory.mktemp("jupyter")
-    install(kernel_name="workbench-viz-test", display_name="Python (workbench viz test)",
-            prefix=str(prefix))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("JUPYTER_PATH", str(prefix / "share" / "jupyter"))
-        yield "workbench-viz-test"
-
-
 def test_executed_notebook_html_shows_the_player_without_javascript(kernel: str) -> None:
     """A notebook cell shows a player of a scripted episode's summary (what a step record
     holds; the kernel then imports no torch); nbclient runs it, nbconvert's HTML has the strip."""
