@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,8 @@ import torch
 from workbench.cluster.connect import check_reachable, explain_connect_error
 from workbench.cluster.parallel import merge_outputs, padded_shards, split_B
 from workbench.cluster.placement import plan_placement
-from workbench.cluster.ray_session import chunk_seed
+from workbench.cluster.ray_session import chunk_seed, engine_spec
+from workbench.cluster.weight_sync import check_distinct_gpus, flatten, unflatten
 from workbench.config import PRESETS, ConfigError, apply_overrides
 from workbench.jobs import job_overrides
 from workbench.session.types import ForwardBackwardOutput
@@ -83,6 +85,29 @@ def test_engine_seeds() -> None:
     assert chunk_seed(7, 0) == 7  # one engine samples exactly as in-process
     assert len({chunk_seed(7, k) for k in range(8)}) == 8
     assert chunk_seed(8, 1) != chunk_seed(7, 2)
+
+
+def test_engines_size_their_kv_pool_for_their_share_of_the_rows() -> None:
+    from workbench.session.spec import ClusterSpec, SessionSpec, SpeedSettings
+
+    spec = SessionSpec(speed=SpeedSettings(kv_rows=64), cluster=ClusterSpec("local", num_engines=3))
+    assert engine_spec(spec).speed.kv_rows == 22  # ceil(64 / 3)
+    assert engine_spec(spec).cluster == spec.cluster and engine_spec(spec).model == spec.model
+
+
+def test_weight_broadcast_buffer_round_trips_and_needs_gpus_of_its_own() -> None:
+    like = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    sent = {"a": torch.arange(6.0).view(2, 3), "b": torch.arange(4.0) + 10}
+    got = unflatten(flatten(sent), like)
+    assert all(torch.equal(got[k], sent[k]) for k in sent) and list(got) == ["a", "b"]
+    with pytest.raises(ValueError, match="different specs"):
+        unflatten(torch.zeros(5), like)
+    with pytest.raises(ValueError, match="one dtype"):
+        flatten({"a": torch.zeros(1), "b": torch.zeros(1, dtype=torch.bfloat16)})
+    check_distinct_gpus("GPU-0", ["GPU-1", "GPU-2"])
+    check_distinct_gpus("", ["", ""])  # CPU actors: gloo, no constraint
+    with pytest.raises(ValueError, match="engine 1 shares rank 0's GPU"):
+        check_distinct_gpus("GPU-0", ["GPU-1", "GPU-0"])
 
 
 def test_unreachable_cluster_names_the_address_and_what_to_check() -> None:
@@ -213,3 +238,27 @@ def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir
     finally:
         worker.close()
         ref.close()
+
+
+def test_engine_speed_metrics_merge_fast_paths_and_cache_counts() -> None:
+    from workbench.cluster.ray_session import merge_speed_metrics
+
+    rows = [{"speed/cuda_graphs": 1.0, "vllm/prefix_cache_queried_tokens": 300.0,
+             "vllm/prefix_cache_hit_rate": 0.9},
+            {"speed/cuda_graphs": 0.0, "vllm/prefix_cache_queried_tokens": 100.0,
+             "vllm/prefix_cache_hit_rate": 0.5}]
+    assert merge_speed_metrics(rows) == {"speed/cuda_graphs": 0.0,
+                                         "vllm/prefix_cache_queried_tokens": 400.0,
+                                         "vllm/prefix_cache_hit_rate": (270 + 50) / 400}
+    assert merge_speed_metrics([{"speed/compile_decode": 1.0}, {}]) == {
+        "speed/compile_decode": 1.0}  # an engine without the path does not veto it
+
+
+def test_jobs_leave_out_what_git_ignores_on_this_machine_only(tmp_path: Path) -> None:
+    from workbench.jobs import local_excludes
+
+    assert local_excludes(tmp_path) == []  # not a checkout
+    (tmp_path / ".git" / "info").mkdir(parents=True)
+    (tmp_path / ".git" / "info" / "exclude").write_text(
+        "# local ignores\n\n/.carry/\n  /.whl/  \n*.tar.xz\n")
+    assert local_excludes(tmp_path) == ["/.carry/", "/.whl/", "*.tar.xz"]

@@ -205,7 +205,8 @@ def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
     assert (cfg.env.px_per_cell, cfg.env.grammar, cfg.env.reward) == (25, "tuple", "stop_on_goal")
     assert cfg.env.format_weight == 0.2  # reward 0.8 task + 0.2 format
     assert cfg.sft.full_finetune is False
-    # the 8B shape on one H200 (benchmarks/RESULTS.md, run 8)
+    # the 8B shape on one H200 (benchmarks/RESULTS.md: run 8, side by side)
+    assert cfg.generator.engine == "vllm" and cfg.generator.gpu_memory_utilization == 0.3
     assert cfg.trainer.loss_tokens_only and cfg.trainer.lora_autocast
     assert cfg.trainer.compile_layers and not cfg.trainer.gradient_checkpointing
     assert cfg.trainer.minibatch == 4

@@ -55,10 +55,14 @@ def test_every_runtime_requirement_is_pinned_in_both_and_in_range() -> None:
 
 
 def test_gpu_extra_admits_vllm_pins() -> None:
-    # vLLM 0.33 pins torch==2.14.0, torchvision==0.29.0, transformers>=5.16.1,<5.21.
+    # The gpu extra pins the tested vLLM 0.26.0 (torch==2.11.0, torchvision==0.26.0,
+    # transformers>=5.5.3); the core ranges admit it, and vLLM 0.33's torch==2.14.0 too.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["optional-dependencies"]["gpu"] == ["vllm==0.26.0"]
     core = {r.name: r.specifier for r in _pyproject_reqs()}
-    assert core["torch"].contains("2.14.0") and core["torchvision"].contains("0.29.0")
-    assert core["transformers"].contains("5.16.1") and not core["transformers"].contains("5.21.0")
+    for torch, vision in (("2.11.0", "0.26.0"), ("2.14.0", "0.29.0")):
+        assert core["torch"].contains(torch) and core["torchvision"].contains(vision)
+    assert core["transformers"].contains("5.17.0") and not core["transformers"].contains("5.21.0")
 
 
 def test_installed_versions_match_the_lock() -> None:

@@ -288,6 +288,7 @@ def test_rollout_spreads_mazes_over_engines_in_maze_order(dp_session, rollouts) 
     assert view(got) == view(expected)
     sync = dp_session.syncs[0]
     assert (sync.version, sync.engines) == (0, 2) and sync.bytes > 0 and sync.seconds > 0
+    assert sync.method == "object_store" and 0 < sync.snapshot_seconds <= sync.seconds
 
 
 def test_a_second_task_plays_on_the_engines_unchanged(dp_session, ref_session, rollouts) -> None:
@@ -341,6 +342,24 @@ def test_two_workers_make_the_same_update_as_one(dp_session, ref_session, rollou
     worst = max(float((rank0[1][k] - one[k]).abs().max()) for k in one)
     assert worst < 1e-5, worst
 
+
+
+def test_weight_broadcast_installs_rank0s_weights_on_every_engine(dp_session, rollouts) -> None:
+    """open_weight_broadcast: later syncs are one gloo broadcast (NCCL on GPUs) from trainer
+    rank 0 to the engines, which install exactly rank 0's tensors and sample from them."""
+    import ray
+
+    dp_session.open_weight_broadcast()
+    sampler = dp_session.training_client.save_weights_and_get_sampling_client()
+    version, want = ray.get(dp_session.trainers[0].snapshot.remote())
+    sync = dp_session.syncs[-1]
+    assert (sync.method, sync.version, sync.engines) == ("broadcast", version, 2)
+    assert sync.bytes == dp_session.trainable_bytes and sync.seconds > 0
+    for engine in dp_session.engines:
+        got = ray.get(engine.call.remote(operator.attrgetter("versions")))[version]
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    episodes = sampler.play(play_episodes, MAZE, eval_set(5, 2), 1, PARAMS, seed=3).result()
+    assert [len(g) for g in episodes] == [1, 1]
 
 
 def test_actors_get_the_threads_and_trainer_switches_asked_for(local_ray, tiny_dir: Path,

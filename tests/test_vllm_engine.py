@@ -1,11 +1,10 @@
 """The vLLM sampler engine's glue: selection, requests, completions, a rollout end to end.
 
-vLLM cannot run here: vllm 0.33.0 is a CUDA-only wheel that cannot be installed on this CPU
-machine (nor on the H200 machine available). So, apart from the last test (skipped unless vllm
-imports and CUDA is available), these tests inject a FAKE `vllm` module into sys.modules. It
-records what our engine asks of it and answers the way vLLM documents (prompt image pads
-expanded, fixed move words with log-probs). This is the only mock in the suite: it checks our
-request/response glue, not vLLM itself.
+vLLM cannot run here: it is a CUDA-only wheel. So, apart from the last two tests (skipped unless
+vllm imports and CUDA is available: they pass on an H200 with vLLM 0.26.0), these tests inject a
+FAKE `vllm` module into sys.modules. It records what our engine asks of it and answers the way
+vLLM documents (prompt image pads expanded, fixed move words with log-probs, prefix-cache
+counters). This is the only mock in the suite: it checks our request/response glue, not vLLM.
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from workbench.envs import (
     system_prompt,
 )
 from workbench.model import LoraSettings
+from workbench.opener import session_spec
 from workbench.policy import (
     Completion,
     SamplingParams,
@@ -47,6 +47,7 @@ from workbench.policy.engines import make_engine
 from workbench.policy.vllm_engine import (
     BAN_BIAS,
     VLLMEngine,
+    check_memory_share,
     check_prompt,
     checked_max_len,
     expand_image_pads,
@@ -93,6 +94,9 @@ class FakeVLLM:
     image_pad: int  # <|image_pad|>: each one in a prompt is expanded to its image's tokens
     llm_kwargs: list[dict[str, Any]] = field(default_factory=list)
     calls: list[dict[str, Any]] = field(default_factory=list)
+    seen: list[list[int]] = field(default_factory=list)  # prompts run (expanded), for the cache
+    cache_queries: int = 0  # prefix-cache counters as vLLM counts them (token granularity here)
+    cache_hits: int = 0
 
     def logprob(self, call: int, position: int) -> float:
         return -0.125 * (call + 1) - 0.01 * position
@@ -108,10 +112,27 @@ class FakeVLLM:
             expanded = [t for tok in prompt["prompt_token_ids"]
                         for t in ([tok] * self.image_tokens(next(images))
                                   if tok == self.image_pad else [tok])]
+            self.count_cache(expanded)
             lps = [{tok: types.SimpleNamespace(logprob=self.logprob(call, k))}
                    for k, tok in enumerate(reply)]
             outputs.append(FakeRequestOutput(expanded, [FakeOutput(list(reply), lps)]))
         return outputs
+
+
+    def count_cache(self, prompt: list[int]) -> None:
+        """A prompt's tokens are looked up; those in the longest prefix shared with an earlier
+        prompt are found (vLLM matches whole KV blocks; the fake, single tokens)."""
+        def shared(a: list[int], b: list[int]) -> int:
+            return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+        self.cache_queries += len(prompt)
+        self.cache_hits += max((shared(prompt, old) for old in self.seen), default=0)
+        self.seen.append(prompt)
+
+    def metrics(self) -> list[Any]:
+        """LLM.get_metrics(): the two prefix-cache counters, one engine."""
+        return [types.SimpleNamespace(name="vllm:prefix_cache_queries", value=self.cache_queries),
+                types.SimpleNamespace(name="vllm:prefix_cache_hits", value=self.cache_hits)]
 
 
 def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
@@ -124,6 +145,9 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
 
         def generate(self, *args: Any, **kwargs: Any) -> list[FakeRequestOutput]:
             return state.generate(*args, **kwargs)
+
+        def get_metrics(self) -> list[Any]:
+            return state.metrics()
 
     vllm.LLM = LLM
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
@@ -183,7 +207,7 @@ def test_vllm_missing_raises_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_pa
     with pytest.raises(ImportError) as err:
         make_engine(EngineSettings("vllm"), None, 8, tmp_path)
     msg = str(err.value)
-    assert "generator.engine=vllm" in msg and "pip install vllm==0.33.0" in msg
+    assert "generator.engine=vllm" in msg and "pip install vllm==0.26.0" in msg
     assert "generator.engine=transformers" in msg  # what to use instead on CPU
 
 
@@ -209,14 +233,32 @@ def test_vllm_engine_needs_lora(fake_vllm: FakeVLLM, tiny, tmp_path: Path) -> No
 
 def test_vllm_settings_come_from_the_model_or_fail_in_one_line() -> None:
     """vLLM refuses a max_model_len above the model's limit, and its LoRA kernels assert on
-    float32: both are one-line errors before vLLM starts; 0 means the model's own limit."""
+    float32: both are one-line errors before vLLM starts; 0 means the model's own limit, at
+    most 16384 (Qwen3-VL-8B's 262,144 would need 36 GiB of KV for one request)."""
     assert checked_max_len(EngineSettings("vllm"), "bfloat16", 4096) == 4096
+    assert checked_max_len(EngineSettings("vllm"), "bfloat16", 262144) == 16384
+    assert checked_max_len(EngineSettings("vllm", max_model_len=65536), "bfloat16",
+                           262144) == 65536
+    config = apply_overrides(RunConfig(), ["generator.max_model_len=2048"])
+    assert session_spec(config, "runs/x").engine.max_model_len == 2048
     assert checked_max_len(EngineSettings("vllm", max_model_len=2048), "float16", 4096) == 2048
     with pytest.raises(ValueError, match="max_model_len 8192 is above the model's "
                                          "max_position_embeddings 4096"):
         checked_max_len(EngineSettings("vllm", max_model_len=8192), "bfloat16", 4096)
     with pytest.raises(ValueError, match="not float32: set model.dtype=bfloat16"):
         checked_max_len(EngineSettings("vllm"), "float32", 4096)
+
+
+def test_vllm_memory_share_is_checked_before_vllm_starts() -> None:
+    gib = 2**30
+    check_memory_share(0.3, free_bytes=100 * gib, total_bytes=140 * gib)  # 42 GiB of 100 free
+    with pytest.raises(ValueError, match=r"generator.gpu_memory_utilization 0.5 asks vLLM for "
+                       r"70.0 GiB of the GPU's 140 GiB, but only 50.0 GiB is free .* use 0.34 "
+                       r"or less"):
+        check_memory_share(0.5, free_bytes=50 * gib, total_bytes=140 * gib)
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="must be in \\(0, 1\\)"):
+            check_memory_share(bad, free_bytes=140 * gib, total_bytes=140 * gib)
 
 
 def test_vllm_engine_refuses_float32(fake_vllm: FakeVLLM, tiny, tmp_path: Path) -> None:
@@ -275,6 +317,7 @@ def test_llm_built_with_lora_prefix_caching_and_memory_share(vllm_session: Sessi
     assert kwargs["gpu_memory_utilization"] == 0.3
     assert kwargs["logprobs_mode"] == "processed_logprobs"
     assert kwargs["limit_mm_per_prompt"] == {"image": 16}
+    assert kwargs["disable_log_stats"] is False  # the prefix-cache counters are kept
     assert [max_lora_rank(r) for r in (4, 8, 20, 32)] == [8, 8, 32, 32]
 
 
@@ -381,6 +424,23 @@ def test_rollout_runs_the_multi_turn_loop_on_the_engine(vllm_session: Session,
             assert [lp for lp, m in zip(stream.logprobs_T, mask_T) if m] == pytest.approx(
                 [fake_vllm.logprob(t, k) for t, reply in enumerate(replies)
                  for k in range(len(reply))])
+
+
+def test_prefix_cache_hits_are_reported_per_step(vllm_session: Session, fake_vllm: FakeVLLM
+                                                  ) -> None:
+    """Each turn resends the whole stream, so a multi-turn rollout finds most of its prompt
+    tokens in the prefix cache; the session's speed metrics report vLLM's counters as the share
+    since the last report (a step's)."""
+    sampler = vllm_session.training_client.save_weights_and_get_sampling_client()
+    sampler.play(play_episodes, SMALL, eval_set(5, 2), 2, SamplingParams(max_tokens=3),
+                 0).result()
+    step1 = vllm_session.speed_metrics().result()
+    assert step1["vllm/prefix_cache_queried_tokens"] == fake_vllm.cache_queries > 0
+    assert step1["vllm/prefix_cache_hit_rate"] == pytest.approx(
+        fake_vllm.cache_hits / fake_vllm.cache_queries)
+    assert step1["vllm/prefix_cache_hit_rate"] > 0.6  # 3 turns of 4 rows: most tokens reused
+    assert vllm_session.speed_metrics().result() == {  # nothing ran since: nothing queried
+        "vllm/prefix_cache_queried_tokens": 0.0, "vllm/prefix_cache_hit_rate": 0.0}
 
 
 # ------------------------------------------------------------------ real vLLM (GPU only)

@@ -10,6 +10,7 @@
     python -m workbench status|logs|stop <job_id> [--address ...]   (Ray Jobs)
     python -m workbench adapters list|publish|promote|rollback --store s3://bucket/prefix
     python -m workbench serve  --adapters s3://bucket/prefix [--replicas N] [--port P]
+    python -m workbench serve  --engine vllm --model FOLDER --adapters runs/store   (GPU)
 
 `python -m workbench train --help` lists every key with its default and meaning.
 """
@@ -23,6 +24,7 @@ import sys
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.rl.replay import ReplayError
+from workbench.serve.engine import ENGINES
 from workbench.storage import StorageError
 
 
@@ -143,8 +145,10 @@ def _serve(args: argparse.Namespace) -> None:
         model=args.model, served_name=args.served_name, adapters=args.adapters,
         endpoint_url=args.endpoint_url, cache_size=args.cache_size, num_replicas=args.replicas,
         cpus_per_replica=args.cpus_per_replica, host=args.host, port=args.port,
-        api_key_sha256=key_hash(args.api_key))
-    start(settings, args.address, args.num_cpus, args.temp_dir)
+        api_key_sha256=key_hash(args.api_key), engine=args.engine, dtype=args.dtype,
+        device="cuda" if args.engine == "vllm" else args.device,
+        gpu_memory_utilization=args.gpu_memory_utilization)
+    endpoint = start(settings, args.address, args.num_cpus, args.temp_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init, which sets its own
     try:
         while True:
@@ -152,7 +156,7 @@ def _serve(args: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        shutdown(disconnect=True)
+        shutdown(endpoint, disconnect=True)  # in this process: its server (and vLLM); else Serve
 
 
 def _serving_commands(sub: argparse._SubParsersAction) -> None:
@@ -187,9 +191,20 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--port", type=int, default=8000, help="HTTP port (0: a free port)")
     s.add_argument("--api-key", default=os.environ.get("WORKBENCH_API_KEY", ""),
                    help="require 'Authorization: Bearer KEY' (default: $WORKBENCH_API_KEY)")
-    s.add_argument("--address", default="local", help="Ray: local, auto or ray://host:10001")
+    s.add_argument("--address", default="local", help="Ray: local, auto or ray://host:10001; "
+                   "'' = this process, one replica, no Ray")
     s.add_argument("--num-cpus", type=int, default=0, help="CPUs of a local Ray (0 = all)")
     s.add_argument("--temp-dir", default="", help="temp/log folder of a local Ray")
+    s.add_argument("--engine", default="transformers", choices=ENGINES,
+                   help="transformers (CPU or GPU, one request at a time) or vllm (GPU: vLLM's "
+                        "async engine, concurrent requests batch)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.5,
+                   help="vllm: its share of the GPU's memory")
+    s.add_argument("--device", default="cpu", help="transformers engine: cpu or cuda "
+                   "(vllm always runs on CUDA)")
+    s.add_argument("--dtype", default="float32", help="transformers: the weights dtype; vllm: "
+                   "the dtype the adapters were trained in (the base is hashed in it; vLLM runs "
+                   "bfloat16)")
     s.set_defaults(func=_serve)
 
 

@@ -112,6 +112,10 @@ class GeneratorConfig:
     """Reply length cap in tokens."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
+    max_model_len: int = 0
+    """vLLM's context length in tokens: 0 = the model's max_position_embeddings, at most 16384
+    (a 15-turn seed-shape episode holds about 2,500 tokens; Qwen3-VL-8B allows 262,144, whose KV
+    for one request alone would take 36 GiB). Above the model's own limit: an error."""
     engine: str = "transformers"
     """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
     the vllm package; prefix caching, LoRA adapters loaded by version). SkyRL: generator.backend."""
@@ -529,11 +533,13 @@ PRESETS: dict[str, RunConfig] = {
         lora=LoraConfig(rank=32, alpha=64, vision=False),
         env=EnvConfig(size=9, px_per_cell=25, grammar="tuple", reward="stop_on_goal",
                       format_weight=0.2),
-        # Speed: the settings of benchmarks/RESULTS.md's run 8 on one H200 (decode 50% of the
-        # bandwidth bound, update 47.5% MFU, 117 GB peak): compiled fused decode, bf16 LoRA,
-        # compiled layers, no checkpointing at 4 episodes a forward_backward call.
+        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md): vLLM samples
+        # (rollout 9.2 s against 12.0 s for our compiled CUDA-graph decode, decode step 6.6 ms
+        # against 8.3 ms at batch 64; side_by_side.py) in a 0.3 share beside the trainer (peak
+        # 72 GB): bf16 LoRA, compiled layers, no checkpointing at 4 episodes a call (run 8).
+        # generator.engine=transformers keeps our engine (compiled fused decode, CUDA graphs).
         generator=GeneratorConfig(n_samples_per_prompt=8, max_turns=15, temperature=0.7,
-                                  max_tokens=32, gpu_memory_utilization=0.5,
+                                  max_tokens=32, gpu_memory_utilization=0.3, engine="vllm",
                                   compile_decode=True),
         trainer=TrainerConfig(total_steps=100, train_batch_size=8, learning_rate=1e-5,
                               ckpt_interval=20, hf_save_interval=20, eval_interval=10,

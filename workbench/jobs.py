@@ -9,11 +9,11 @@ From a notebook cell:
     follow_logs(job_id, address)      # prints the job's output as it arrives; returns its status
 
 The job runs `python -m workbench train <overrides>` on the cluster, with this project as its
-working directory (runtime_env working_dir; .gitignore'd files such as .venv and runs/ are not
-uploaded) and `cluster.address=auto`, so the run's actors go on that cluster. run_dir (and
-model.name when it is a local folder) are made absolute, so the job writes the run directory
-this machine reads - the same folder when the cluster runs here or shares the filesystem, and
-a notebook can plot metrics.jsonl while the job runs.
+working directory (runtime_env working_dir; files ignored by .gitignore, such as .venv and runs/,
+or by .git/info/exclude are not uploaded) and `cluster.address=auto`, so the run's actors go on
+that cluster. run_dir (and model.name when it is a local folder) are made absolute, so the job
+writes the run directory this machine reads - the same folder when the cluster runs here or
+shares the filesystem, and a notebook can plot metrics.jsonl while the job runs.
 """
 
 from __future__ import annotations
@@ -49,6 +49,16 @@ def project_root() -> Path | None:
     return root if (root / "pyproject.toml").is_file() else None
 
 
+def local_excludes(root: Path) -> list[str]:
+    """The patterns of `<root>/.git/info/exclude`: files git ignores on this machine only (Ray's
+    upload reads .gitignore, not this file), so they are not uploaded with the job either."""
+    exclude = root / ".git" / "info" / "exclude"
+    if not exclude.is_file():
+        return []
+    lines = (line.strip() for line in exclude.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def job_overrides(overrides: list[str], preset: str = "tiny") -> list[str]:
     """The overrides with run_dir (and a local model folder) absolute, and cluster.address=auto
     unless given. Validates them here, before anything is submitted."""
@@ -72,6 +82,7 @@ def submit_run(overrides: list[str], address: str | None = None, preset: str = "
     runtime_env: dict[str, Any] = {"env_vars": dict(env_vars or {})}
     if root is not None:
         runtime_env["working_dir"] = str(root)  # .gitignore'd files are not uploaded
+        runtime_env["excludes"] = local_excludes(Path(root))  # nor .git/info/exclude'd ones
     run_dir = next(a for a in reversed(args) if a.startswith("run_dir=")).split("=", 1)[1]
     return job_client(address).submit_job(
         entrypoint=entrypoint, runtime_env=runtime_env,

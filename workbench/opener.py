@@ -60,7 +60,8 @@ def session_spec(config: RunConfig, workdir: str | Path, full_finetune: bool = F
         model=model or config.model.name,
         lora=None if full_finetune else config.lora.settings,
         workdir=str(workdir), dtype=config.model.dtype, device=config.model.device,
-        engine=EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns),
+        engine=EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns,
+                              max_model_len=g.max_model_len),
         speed=speed_settings(config), cluster=cluster_spec(config))
 
 

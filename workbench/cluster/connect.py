@@ -107,7 +107,10 @@ def explain_connect_error(err: Exception, address: str) -> Exception:
 
 def _start_local(num_cpus: int | None, num_gpus: int | None, dashboard: bool,
                  temp_dir: str | Path | None, ray: Any) -> Any:
-    kwargs: dict[str, Any] = {"num_cpus": num_cpus or None, "num_gpus": num_gpus or None,
+    # address "local": always a new instance (with none, ray.init joins a cluster that
+    # `ray start` left running on this machine, and then refuses num_cpus / num_gpus)
+    kwargs: dict[str, Any] = {"address": "local", "num_cpus": num_cpus or None,
+                              "num_gpus": num_gpus or None,
                               "include_dashboard": dashboard, "dashboard_host": "127.0.0.1",
                               "log_to_driver": True}
     if temp_dir:

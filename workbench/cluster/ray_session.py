@@ -8,6 +8,7 @@
     fb = tc.forward_backward(datums, "ppo")      # a concurrent.futures.Future, as in-process
     opt = tc.optim_step(AdamParams(learning_rate=3e-4))
     sampler = tc.save_weights_and_get_sampling_client()   # weights reach every engine first
+    session.open_weight_broadcast()   # optional: later syncs are one NCCL/gloo broadcast
     sampler.play(play_episodes, maze_cfg, states_P, 8, SamplingParams(), seed=0).result()
 
 Every actor builds its host from the same `SessionSpec` an in-process session is built from.
@@ -26,7 +27,7 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from workbench.cluster.placement import (
     create_placement_group,
     plan_placement,
 )
+from workbench.cluster.weight_sync import check_distinct_gpus
 from workbench.cluster.workers import SamplerEngine, TrainerWorker
 from workbench.deps import require
 from workbench.policy import SamplingParams, Stream
@@ -86,9 +88,11 @@ class SyncRecord:
     """One weight sync from trainer rank 0 to every sampler engine."""
 
     version: int
-    seconds: float  # snapshot on the trainer + object-store transfer + load on the engines
+    seconds: float  # snapshot on the trainer + transfer + load on the engines
     bytes: int  # size of the trainable tensors sent
     engines: int
+    method: str = "object_store"  # object_store | broadcast (RaySession.open_weight_broadcast)
+    snapshot_seconds: float = 0.0  # object_store: until rank 0's copy is in the object store
 
 
 class RaySamplingClient:
@@ -205,11 +209,29 @@ class RayTrainingClient:
         ray = require("ray")
         if not self._session.engines:
             raise ValueError("this session has no sampler engines (num_engines=0)")
+        if self._session.weight_broadcast:
+            return self._broadcast_weights()
         start = time.perf_counter()
         snapshot = self._workers[0].snapshot.remote()
+        ray.wait([snapshot], fetch_local=False)  # in the object store: the trainer's part
+        stored = time.perf_counter() - start
         versions = ray.get([e.install.remote(snapshot) for e in self._session.engines])
         seconds = time.perf_counter() - start
-        sync = SyncRecord(versions[0], seconds, self._session.trainable_bytes, len(versions))
+        sync = SyncRecord(versions[0], seconds, self._session.trainable_bytes, len(versions),
+                          "object_store", stored)
+        self._session.syncs.append(sync)
+        return RaySamplingClient(self._session, sync)
+
+    def _broadcast_weights(self) -> RaySamplingClient:
+        """The sync as one broadcast from rank 0 over the weight group (open_weight_broadcast)."""
+        ray = require("ray")
+        start = time.perf_counter()
+        rank0, engines = self._workers[0], self._session.engines
+        version = ray.get(rank0.weights_version.remote())  # after the queued optim_steps
+        sent = rank0.send_weights.remote()
+        ray.get([e.receive_weights.remote(version) for e in engines] + [sent])
+        sync = SyncRecord(version, time.perf_counter() - start, ray.get(sent), len(engines),
+                          "broadcast")
         self._session.syncs.append(sync)
         return RaySamplingClient(self._session, sync)
 
@@ -249,6 +271,7 @@ class RaySession:
         self._workdir, self._info = Path(spec.workdir), info
         self.trainable_bytes = int(info.pop("trainable_bytes"))
         self.syncs: list[SyncRecord] = []  # every weight sync, newest last
+        self.weight_broadcast = False  # True after open_weight_broadcast()
         self.recoverable_errors = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
         self.training_client = RayTrainingClient(self)
 
@@ -260,12 +283,34 @@ class RaySession:
         """Model source, base hash, LoRA settings, and the Ray layout (for manifests)."""
         return dict(self._info)
 
+    def open_weight_broadcast(self) -> None:
+        """From now on a weight sync is one broadcast of rank 0's trainable tensors over a
+        process group of rank 0 and the engines (NCCL on GPUs, gloo on CPUs; see
+        cluster/weight_sync.py) instead of a copy through the object store."""
+        ray = require("ray")
+        if not self.engines:
+            raise ValueError("this session has no sampler engines (num_engines=0)")
+        gpus = ray.get([a.memory.remote() for a in [self.trainers[0], *self.engines]])
+        check_distinct_gpus(gpus[0].get("gpu", ""), [g.get("gpu", "") for g in gpus[1:]])
+        world = 1 + len(self.engines)
+        address, port = ray.get(self.trainers[0].open_weight_store.remote(world))
+        ray.get([self.trainers[0].join_weight_group.remote(world)] +
+                [e.join_weight_group.remote(address, port, k + 1, world)
+                 for k, e in enumerate(self.engines)])
+        self.weight_broadcast = True
+
+    def memory(self) -> dict[str, list[dict[str, Any]]]:
+        """GPU memory of every trainer and engine actor (cluster.workers.device_memory), by
+        kind: {"trainers": [...], "engines": [...]} ({} entries on CPUs)."""
+        ray = require("ray")
+        trainers = ray.get([t.memory.remote() for t in self.trainers])
+        return {"trainers": trainers, "engines": ray.get([e.memory.remote() for e in self.engines])}
+
     def speed_metrics(self) -> Future:
         """`speed/*` of the sampler engines (a fast path counts as running when it runs on
         every engine) -> Future[dict[str, float]]."""
         refs = [e.speed_metrics.remote() for e in self.engines]
-        return gather(refs, lambda rows: {k: min(r.get(k, 1.0) for r in rows)
-                                          for k in {k for r in rows for k in r}})
+        return gather(refs, merge_speed_metrics)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:
         """A metrics row to Ray's metrics, from trainer worker 0 (see cluster/metrics.py)."""
@@ -275,6 +320,28 @@ class RaySession:
         """Kill the actors and free their bundles (safe to call twice, or after a failure)."""
         release(self.trainers + self.engines, self.placement_group)
         self.trainers, self.engines, self.placement_group = [], [], None
+
+
+def merge_speed_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The engines' speed metrics as one row: a `speed/*` fast path runs when it runs on every
+    engine (min); vLLM's prefix-cache tokens add up, and its hit rate is their weighted mean."""
+    out = {k: min(r.get(k, 1.0) for r in rows)
+           for k in {k for r in rows for k in r} if k.startswith("speed/")}
+    queried = [r.get("vllm/prefix_cache_queried_tokens", 0.0) for r in rows]
+    if any("vllm/prefix_cache_hit_rate" in r for r in rows):
+        total = sum(queried)
+        hits = sum(q * r.get("vllm/prefix_cache_hit_rate", 0.0) for q, r in zip(queried, rows))
+        out["vllm/prefix_cache_queried_tokens"] = total
+        out["vllm/prefix_cache_hit_rate"] = hits / total if total else 0.0
+    return out
+
+
+def engine_spec(spec: SessionSpec) -> SessionSpec:
+    """The spec each of M engines is built from: a rollout's rows are split over the engines,
+    so each one's CUDA-graph KV pool is sized for ceil(kv_rows / M) rows (grown if exceeded)."""
+    engines = max(spec.cluster.num_engines, 1)
+    rows = -(-spec.speed.kv_rows // engines)
+    return replace(spec, speed=replace(spec.speed, kv_rows=rows))
 
 
 def create_ray_session(spec: SessionSpec) -> RaySession:
@@ -299,7 +366,7 @@ def create_ray_session(spec: SessionSpec) -> RaySession:
     trainers = [trainer_cls.options(name=names[r], **actor_options(plan, pg, "trainer", r))
                 .remote(spec, r) for r in range(c.num_workers)]
     engines = [engine_cls.options(name=names[c.num_workers + k],
-                                  **actor_options(plan, pg, "engine", k)).remote(spec)
+                                  **actor_options(plan, pg, "engine", k)).remote(engine_spec(spec))
                for k in range(c.num_engines)]
     try:
         if c.num_workers > 1:

@@ -46,7 +46,7 @@ class EngineSettings:
     name: str = "transformers"  # transformers | vllm (generator.engine)
     gpu_memory_utilization: float = 0.5  # vLLM's GPU share (generator.gpu_memory_utilization)
     max_images: int = 16  # images per prompt vLLM makes room for (one per turn: max_turns)
-    max_model_len: int = 0  # vLLM's context length in tokens (0: the model's own limit)
+    max_model_len: int = 0  # vLLM's context in tokens (0: the model's own, at most 16384)
     seed: int = 0  # vLLM's engine seed (each request also gets a seed from the rollout's generator)
 
 

@@ -23,10 +23,12 @@ After generation the prompt vLLM ran (expanded) must equal the stream's tokens; 
 image processor counting a different number of image tokens than ours) raises rather than
 letting the update go silently off-policy.
 
-NOT RUN HERE: vllm 0.33.0 cannot be installed on the CPU machine nor on the H200 machine
-available. tests/test_vllm_engine.py checks this glue (requests built, completions read back, a
-rollout end to end) against a recording fake `vllm` module; a real-vLLM test there runs only
-where vllm imports and CUDA is available.
+Prefix caching is shown, not assumed: `cache_metrics()` (logged each step as
+`vllm/prefix_cache_hit_rate` through the host's speed metrics) reads vLLM's own counters.
+
+Tested with vLLM 0.26.0 (torch 2.11, CUDA 13) on one H200: tests/test_vllm_engine.py's real-vLLM
+tests (skipped without vllm and CUDA); on the CPU the same glue runs against a recording fake
+`vllm` module.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
 
 INSTALL_HINT = (
-    "generator.engine=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.33.0 "
-    "(or pip install 'workbench[gpu]'; it pins torch==2.14.0 and transformers<5.21). "
+    "generator.engine=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
+    "(or pip install 'workbench[gpu]'; it pins torch==2.11.0, the version tested). "
     "On a CPU machine use generator.engine=transformers."
 )
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]: exp(-100) is zero for sampling
@@ -160,19 +162,38 @@ def model_max_len(config: Any) -> int:
     return int(getattr(config, "text_config", config).max_position_embeddings)
 
 
+DEFAULT_MAX_LEN = 16384
+"""vLLM's context when none is set: a seed-shape episode (15 turns) holds about 2,500 tokens,
+and vLLM refuses to start unless one request of max_model_len fits its KV share."""
+
+
 def checked_max_len(settings: EngineSettings, dtype: str, model_len: int) -> int:
-    """vLLM's max_model_len for this model (settings.max_model_len, 0: the model's own), or a
-    one-line error for settings vLLM would refuse (or a LoRA dtype its kernels assert on)."""
+    """vLLM's max_model_len for this model (settings.max_model_len; 0: the model's own, at most
+    DEFAULT_MAX_LEN), or a one-line error for settings vLLM would refuse (or a LoRA dtype its
+    kernels assert on)."""
     if dtype not in LORA_DTYPES:
         raise ValueError(f"generator.engine=vllm samples LoRA adapters, and vLLM's LoRA kernels "
                          f"take {' or '.join(LORA_DTYPES)} only, not {dtype}: set "
                          "model.dtype=bfloat16")
-    length = settings.max_model_len or model_len
+    length = settings.max_model_len or min(model_len, DEFAULT_MAX_LEN)
     if length > model_len:
         raise ValueError(f"vLLM max_model_len {length} is above the model's "
                          f"max_position_embeddings {model_len}: use {model_len} or less (0: the "
                          "model's own)")
     return length
+
+
+def check_memory_share(share: float, free_bytes: int, total_bytes: int) -> None:
+    """vLLM takes `share` of the whole GPU at start and fails in its engine process (the error
+    buried in its log) when less is free: say so here, in one line with the key to change."""
+    if not 0.0 < share < 1.0:
+        raise ValueError(f"generator.gpu_memory_utilization must be in (0, 1), not {share}")
+    if share * total_bytes > free_bytes:
+        asked, total, free = share * total_bytes / 2**30, total_bytes / 2**30, free_bytes / 2**30
+        raise ValueError(
+            f"generator.gpu_memory_utilization {share} asks vLLM for {asked:.1f} GiB of the GPU's "
+            f"{total:.0f} GiB, but only {free:.1f} GiB is free (the trainer's weights, other "
+            f"processes): use {int(100 * free / total) / 100 - 0.01:.2f} or less")
 
 
 def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
@@ -186,7 +207,17 @@ def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
         max_model_len=max_model_len,
         limit_mm_per_prompt={"image": settings.max_images},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
+        disable_log_stats=False,  # keeps the prefix-cache counters (VLLMEngine.cache_metrics)
     )
+
+
+PREFIX_QUERIES, PREFIX_HITS = "vllm:prefix_cache_queries", "vllm:prefix_cache_hits"
+"""vLLM's counters of prompt tokens looked up in, and found in, its prefix cache."""
+
+
+def counter_total(metrics: list[Any], name: str) -> int:
+    """The sum of vLLM counter `name` over its labels (engines) in `LLM.get_metrics()`."""
+    return int(sum(m.value for m in metrics if m.name == name))
 
 
 @dataclass
@@ -225,8 +256,11 @@ class VLLMEngine:
         self.fmt = chat_format(lm.processor)
         self.adapter_root = Path(adapter_root)
         self.version: int | None = None  # None: the base model, no adapter
+        self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
         dtype = str(lm.model.dtype).removeprefix("torch.")
         length = checked_max_len(settings, dtype, model_max_len(lm.model.config))
+        if torch.cuda.is_available():
+            check_memory_share(settings.gpu_memory_utilization, *torch.cuda.mem_get_info())
         self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype, length))
 
     def adapter_folder(self, version: int) -> Path:
@@ -247,6 +281,17 @@ class VLLMEngine:
     def drop_version(self, version: int) -> None:
         """Delete the version's folder (vLLM's LRU evicts the loaded copy: max_loras=1)."""
         shutil.rmtree(self.adapter_folder(version), ignore_errors=True)
+
+    def cache_metrics(self) -> dict[str, float]:
+        """`vllm/*`: prompt tokens looked up in the prefix cache since the last call, and the
+        share found there (each turn resends the whole stream: all but its new tokens should
+        hit)."""
+        metrics = self.llm.get_metrics()
+        seen = (counter_total(metrics, PREFIX_QUERIES), counter_total(metrics, PREFIX_HITS))
+        queries, hits = seen[0] - self.cache_seen[0], seen[1] - self.cache_seen[1]
+        self.cache_seen = seen
+        return {"vllm/prefix_cache_queried_tokens": float(queries),
+                "vllm/prefix_cache_hit_rate": hits / queries if queries else 0.0}
 
     def open(self, prompts_P: list[Stream], n: int) -> VLLMRows:
         """Rows p * n + g = prompt p (prefix caching shares its prefill among the n)."""

@@ -5,6 +5,9 @@ Ray Serve (`@serve.ingress`), under uvicorn, or in a test client without either.
     POST /v1/chat/completions   OpenAI chat completions (text and image_url data-URL parts)
     GET  /v1/stats              this replica's counters (adapter cache hits / misses / evictions)
 
+With the transformers engine a chat request runs in a worker thread (the engine takes one at a
+time); with vllm the route awaits vLLM's async engine, so requests in flight batch together.
+
 Errors are OpenAI-shaped JSON: {"error": {"message", "type", "code", "param"}} with 400 (bad
 request), 401 (API key missing or wrong), 404 (unknown model or adapter), 422 (a broken,
 incomplete or foreign-base adapter: the server keeps running) or 500.
@@ -16,6 +19,7 @@ from typing import Any
 from workbench.deps import require
 from workbench.serve.chat import RequestError, parse_request
 from workbench.serve.engine import Engine, engine_stats, generate, key_hash, list_models
+from workbench.serve.vllm_async import generate_vllm
 
 
 def error_body(message: str, code: str, kind: str = "invalid_request_error") -> dict[str, Any]:
@@ -71,6 +75,8 @@ def build_app(engine: Engine) -> Any:
             raise RequestError("the request body is not valid JSON") from None
         s = engine.settings
         parsed = parse_request(body, s.default_max_tokens, s.max_tokens_limit)
+        if engine.backend is not None:  # vllm: awaited, never behind the engine's lock
+            return await generate_vllm(engine, parsed)
         return await run_in_threadpool(generate, engine, parsed)
 
     @app.get("/v1/stats")

@@ -7,6 +7,7 @@ uvicorn thread of this process (one replica, no Ray: a notebook's quick look).
     OpenAI(base_url=endpoint.base_url, api_key=...).chat.completions.create(model=..., ...)
     shutdown(endpoint)
     endpoint = serve(adapters="runs/store", address="")                # in this process
+    endpoint = serve(model, adapters="runs/store", engine="vllm", address="")   # vLLM (GPU)
 
 The replica class is `@serve.ingress()` over `workbench.serve.app.build_app(engine)`, built at
 replica start (`__serve_build_asgi_app__`), so the same app runs under Ray and in unit tests.
@@ -21,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from workbench.deps import require
-from workbench.serve.engine import ServeSettings, key_hash
+from workbench.serve.engine import ServeSettings, close_engine, key_hash
 
 APP_NAME = "workbench"
 
@@ -44,7 +45,8 @@ def deployment(settings: ServeSettings) -> Any:
     from workbench.serve.engine import open_engine
 
     @serve.deployment(name="openai", num_replicas=settings.num_replicas,
-                      ray_actor_options={"num_cpus": settings.cpus_per_replica})
+                      ray_actor_options={"num_cpus": settings.cpus_per_replica,
+                                         "num_gpus": settings.gpus_per_replica})
     @serve.ingress()
     class OpenAIReplica:
         """One replica: an engine (base + adapter LRU) and the app over it."""
@@ -91,12 +93,16 @@ def start(settings: ServeSettings, address: str = "local", num_cpus: int = 0,
 
 def serve(model: str = "tiny", adapters: str = "", replicas: int = 1, port: int = 8000,
           api_key: str = "", cache_size: int = 4, address: str = "local",
-          log: Callable[[str], None] = print, **settings: Any) -> Endpoint:
-    """Start the endpoint from a notebook or script (see `start`); `settings` are further
-    ServeSettings fields (served_name, endpoint_url, cpus_per_replica, ...)."""
+          log: Callable[[str], None] = print, engine: str = "transformers",
+          **settings: Any) -> Endpoint:
+    """Start the endpoint from a notebook or script (see `start`); engine "vllm" serves through
+    vLLM on the GPU (device cuda); `settings` are further ServeSettings fields (served_name,
+    endpoint_url, cpus_per_replica, gpu_memory_utilization, ...)."""
+    if engine == "vllm":
+        settings.setdefault("device", "cuda")
     config = replace(ServeSettings(), model=model, adapters=adapters, num_replicas=replicas,
                      port=port, api_key_sha256=key_hash(api_key), cache_size=cache_size,
-                     **settings)
+                     engine=engine, **settings)
     return start(config, address, log=log)
 
 
@@ -109,13 +115,14 @@ def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print
     from workbench.serve.app import build_app
     from workbench.serve.engine import open_engine
 
-    app = build_app(open_engine(settings))
-    server = uvicorn.Server(uvicorn.Config(app, host=settings.host, port=settings.port,
-                                           log_level="warning"))
+    engine = open_engine(settings)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine), host=settings.host,
+                                           port=settings.port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="workbench-serve", daemon=True)
     thread.start()
     while not server.started:  # uvicorn sets it once the socket listens
         if not thread.is_alive():
+            close_engine(engine)
             raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
                                "(is the port taken?)")
         thread.join(0.05)
@@ -123,10 +130,12 @@ def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print
     def stop() -> None:
         server.should_exit = True
         thread.join()
+        close_engine(engine)
 
     endpoint = Endpoint(f"http://{settings.host}:{settings.port}/v1", settings.base_id, 1, stop)
     log(f"serving {settings.base_id} (+ adapters from {settings.adapters or 'nowhere'}) at "
-        f"{endpoint.base_url} in this process, adapter cache {settings.cache_size}")
+        f"{endpoint.base_url} in this process, {settings.engine} engine, adapter cache "
+        f"{settings.cache_size}")
     return endpoint
 
 

@@ -10,6 +10,9 @@ the registry's serving default (re-read every `default_ttl_s`). An adapter is do
 weights readable, trained on this base's weights hash) before it touches the model, loaded as a
 named PEFT adapter, and evicted (deleted from the model) when the LRU is full. Requests on a
 replica run one at a time under a lock (the model is shared); each gets its own torch Generator.
+
+With `engine="vllm"` (GPU) a replica holds one vLLM async engine instead and concurrent requests
+batch in it (`workbench.serve.vllm_async`); the adapter contract and the counters stay the same.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +37,8 @@ from workbench import registry, storage
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
 from workbench.policy import ChatFormat, SamplingParams, chat_format, sample
 from workbench.serve.chat import ChatRequest, RequestError, completion_json, render_messages
+
+ENGINES = ("transformers", "vllm")  # ServeSettings.engine
 
 
 @dataclass(frozen=True)
@@ -52,14 +58,28 @@ class ServeSettings:
     api_key_sha256: str = ""  # sha256 of the API key ("" = no key); the key itself never travels
     default_max_tokens: int = 16  # reply cap when a request names none
     max_tokens_limit: int = 256  # largest max_tokens a request may ask
-    dtype: str = "float32"  # weights dtype
-    device: str = "cpu"  # cpu | cuda (the transformers engine; vLLM: see serve.vllm)
+    dtype: str = "float32"  # weights dtype (vllm: the dtype the base is hashed in; it runs bf16)
+    device: str = "cpu"  # cpu | cuda: where the transformers engine runs (vllm: always CUDA)
     default_ttl_s: float = 5.0  # how long a replica trusts its copy of serving.json
+    engine: str = "transformers"  # transformers (one request at a time) | vllm (GPU, batching)
+    gpu_memory_utilization: float = 0.5  # vllm: its share of the GPU's memory
+    max_model_len: int = 0  # vllm: context in tokens (0: the model's own, capped as the sampler's)
+    max_images: int = 16  # vllm: images one request may hold (it makes room for them)
+
+    def __post_init__(self) -> None:
+        if self.engine not in ENGINES:
+            raise ValueError(f"serve engine {self.engine!r} is not one of "
+                             f"{', '.join(map(repr, ENGINES))}")
 
     @property
     def base_id(self) -> str:
         """The model id of the base, as clients write it."""
         return self.served_name or self.model
+
+    @property
+    def gpus_per_replica(self) -> float:
+        """GPUs Ray Serve reserves for each replica: one for vllm or a CUDA device, else none."""
+        return 1.0 if self.engine == "vllm" or self.device.startswith("cuda") else 0.0
 
 
 def key_hash(api_key: str) -> str:
@@ -72,27 +92,56 @@ class Engine:
     """A replica's state: model, adapters resident in it (LRU, oldest first), counters."""
 
     settings: ServeSettings
-    lm: LoadedModel  # lm.model: a PeftModel over the base (adapters named by peft_name)
+    lm: LoadedModel  # lm.model: a PeftModel over the base (adapters named by peft_name); vllm: None
     fmt: ChatFormat
     base_hash: str  # weights sha256 of the base (adapters trained on another base are refused)
     store: storage.Store | None  # where adapters are published (None: base only)
-    resident: OrderedDict[str, str] = field(default_factory=OrderedDict)  # name -> peft name
+    # name -> peft name (transformers) or vLLM LoRARequest (vllm), least recently used first
+    resident: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("requests", "hits", "misses", "evictions", "fetches", "load_failures"), 0))
     lock: threading.Lock = field(default_factory=threading.Lock)
     default_seen: tuple[float, str | None] = (0.0, None)  # (when read, serving default)
+    backend: Any = None  # vllm: its VLLMBackend (async engine, LoRA ids); transformers: None
 
 
 def open_engine(settings: ServeSettings) -> Engine:
+    """The replica's engine of `settings.engine` (see OPENERS)."""
+    return OPENERS[settings.engine](settings)
+
+
+def open_transformers_engine(settings: ServeSettings) -> Engine:
     """Load and hash the base; wrap it in PEFT with an inert rank-1 adapter, so that adapters
     come and go with load_adapter / delete_adapter and the base runs with adapters disabled."""
     lm = load_model(settings.model, dtype=getattr(torch, settings.dtype), device=settings.device)
     base_hash = weights_hash(lm.model)
     lm.model = add_lora(lm.model, LoraSettings(rank=1, alpha=1)).eval()  # B = 0: inert
-    store = storage.open_store(settings.adapters, settings.endpoint_url) \
-        if settings.adapters else None
-    shutil.rmtree(replica_cache(settings), ignore_errors=True)  # a reused pid's old copies
-    return Engine(settings, lm, chat_format(lm.processor), base_hash, store)
+    return Engine(settings, lm, chat_format(lm.processor), base_hash, open_adapter_store(settings))
+
+
+def _open_vllm_engine(settings: ServeSettings) -> Engine:
+    from workbench.serve.vllm_async import open_vllm_engine
+
+    return open_vllm_engine(settings)
+
+
+OPENERS: dict[str, Callable[[ServeSettings], Engine]] = {
+    "transformers": open_transformers_engine, "vllm": _open_vllm_engine}
+
+
+def open_adapter_store(settings: ServeSettings) -> storage.Store | None:
+    """The adapter store (None: base only), after emptying this replica's cache folder (a reused
+    pid's old copies)."""
+    shutil.rmtree(replica_cache(settings), ignore_errors=True)
+    if not settings.adapters:
+        return None
+    return storage.open_store(settings.adapters, settings.endpoint_url)
+
+
+def close_engine(engine: Engine) -> None:
+    """Stop what the engine started (vllm: its engine process; transformers: nothing)."""
+    if engine.backend is not None:
+        engine.backend.llm.shutdown()
 
 
 def peft_name(name: str) -> str:
@@ -185,14 +234,21 @@ def check_adapter(engine: Engine, name: str, folder: Path) -> None:
         raise RequestError(str(err), status=422, code="adapter_foreign_base") from None
 
 
-def ensure_adapter(engine: Engine, model: str, name: str) -> str:
-    """The PEFT name of adapter `name`, loading it (and evicting the least recently used one
-    beyond cache_size) on a miss."""
+def lru_hit(engine: Engine, name: str) -> bool:
+    """Whether adapter `name` is resident (a hit: it becomes the most recent); counts hit/miss."""
     if name in engine.resident:
         engine.counters["hits"] += 1
         engine.resident.move_to_end(name)
-        return engine.resident[name]
+        return True
     engine.counters["misses"] += 1
+    return False
+
+
+def ensure_adapter(engine: Engine, model: str, name: str) -> str:
+    """The PEFT name of adapter `name`, loading it (and evicting the least recently used one
+    beyond cache_size) on a miss."""
+    if lru_hit(engine, name):
+        return engine.resident[name]
     folder = fetch(engine, model, name)
     check_adapter(engine, name, folder)
     internal, peft_model = peft_name(name), engine.lm.model

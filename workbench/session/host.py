@@ -123,10 +123,12 @@ def _sampler_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
 def speed_metrics(host: ModelHost) -> dict[str, float]:
     """`speed/*`: 1.0 for each fast path this host runs, 0.0 for one that fell back (its
     warning said why); nothing for paths that were never asked for."""
+    cache = getattr(host.engine, "cache_metrics", None)  # the vLLM engine's prefix cache
+    out: dict[str, float] = cache() if cache else {}
     static = host.static
     if static is None:
-        return {}
-    out = {"speed/cuda_graphs": float(static.use_graphs)}
+        return out
+    out["speed/cuda_graphs"] = float(static.use_graphs)
     if host.speed.compile_decode:
         out["speed/compile_decode"] = float(not static.compile_error)
     return out

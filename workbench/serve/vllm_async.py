@@ -1,0 +1,223 @@
+"""The vLLM backend of the workbench's own OpenAI-compatible app (`ServeSettings.engine="vllm"`,
+GPU only): each replica holds ONE vLLM async engine (`vllm.AsyncLLMEngine`, v1's AsyncLLM) and the
+chat route awaits it, so concurrent requests batch inside vLLM (continuous batching) instead of
+queueing behind the transformers engine's lock.
+
+    python -m workbench serve --engine vllm --adapters runs/store --gpu-memory-utilization 0.5
+    serve(model, adapters="runs/store", engine="vllm", address="")      # from a notebook
+
+The same as the transformers engine: the chat rendering (`serve.chat.render_messages`), the
+adapter contract (fetched once per upload into the replica's cache folder, then checked: config,
+weights, base-weights hash), 404 / 422 errors and the replica's LRU counters (/v1/stats).
+What differs:
+- the base is loaded once on the CPU in `settings.dtype`, only to hash its weights (an adapter
+  records the hash of the base in the dtype it was trained in) and to read its context length;
+  vLLM then runs it in bfloat16 (its LoRA kernels take bf16 / fp16 only);
+- the engine: enable_lora with max_loras = max_cpu_loras = cache_size, max_lora_rank from the
+  largest rank published when the replica starts (at least 8; a larger adapter published later
+  is refused with a 422), prefix caching, max_model_len = the model's max_position_embeddings;
+- a checked adapter goes with each request as LoRARequest(name, id, folder); the id is stable per
+  upload (a re-published name gets a new id, so vLLM never keeps old weights under it). Our LRU
+  counts hits / misses / evictions as the transformers engine does; vLLM keeps the same number of
+  adapters loaded and evicts by its own LRU (it knows which ones running requests still use);
+- each of the n choices is one vLLM request: the stream's tokens (an image's run of pads cut to
+  one) and its PIL images (`policy.vllm_engine.vllm_prompt`), its own seed drawn from the
+  request's seed; vLLM's expanded prompt must equal our tokens (`check_prompt`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from workbench import registry, storage
+from workbench.deps import require
+from workbench.model import load_model, weights_hash
+from workbench.policy import SamplingParams, Stream, chat_format
+from workbench.policy.engine import EngineSettings
+from workbench.policy.vllm_engine import (
+    check_prompt,
+    checked_max_len,
+    max_lora_rank,
+    model_max_len,
+    row_seeds,
+    sampling_params,
+    to_completion,
+    vllm_prompt,
+)
+from workbench.serve.chat import ChatRequest, RequestError, completion_json, render_messages
+from workbench.serve.engine import (
+    Engine,
+    ServeSettings,
+    check_adapter,
+    fetch,
+    lru_hit,
+    open_adapter_store,
+    resolve_model,
+)
+
+INSTALL_HINT = (
+    "serve engine='vllm' needs the vllm package (GPU only, CUDA): pip install 'workbench[gpu]'. "
+    "On a CPU machine serve with engine='transformers'."
+)
+MIN_LORA_RANK = 8  # the engine's LoRA slots hold at least this rank (adapters published later)
+VLLM_DTYPE = "bfloat16"  # what vLLM runs the base in (its LoRA kernels: bf16 or fp16)
+
+
+@dataclass
+class VLLMBackend:
+    """A replica's vLLM side: the async engine and what its requests are sent with."""
+
+    vllm: ModuleType  # the vllm package (SamplingParams)
+    llm: Any  # vllm.AsyncLLMEngine: generate(prompt, params, request_id, lora_request=...)
+    lora_cls: Any  # vllm.lora.request.LoRARequest
+    max_len: int  # the engine's max_model_len (tokens)
+    max_rank: int  # the engine's max_lora_rank: an adapter of a larger rank is refused
+    lora_ids: dict[tuple[str, str], int] = field(default_factory=dict)  # (name, upload) -> id
+
+
+def import_vllm() -> ModuleType:
+    """The vllm module, or an ImportError that says what to install (or use instead)."""
+    try:
+        return require("vllm")
+    except ImportError as err:
+        raise ImportError(INSTALL_HINT) from err
+
+
+def published_rank(store: storage.Store | None) -> int:
+    """The largest LoRA rank `r` among the store's published adapters (0: none readable; a
+    broken adapter is refused when it is asked for, not here)."""
+    if store is None:
+        return 0
+    ranks = [0]
+    for name in registry.list_names(store):
+        try:
+            config = storage.read_json(store, f"{registry.ADAPTERS}/{name}/adapter_config.json")
+            ranks.append(int(config["r"]))
+        except (storage.StorageError, ValueError, KeyError, TypeError):
+            continue
+    return max(ranks)
+
+
+def engine_args(settings: ServeSettings, model_path: str, lora_rank: int,
+                max_len: int) -> dict[str, Any]:
+    """Keyword arguments of vllm.AsyncEngineArgs for a replica serving `model_path`."""
+    return dict(
+        model=model_path, tokenizer=model_path, dtype=VLLM_DTYPE,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        enable_prefix_caching=True,  # a conversation's earlier turns, the system prompt
+        enable_lora=True, max_lora_rank=max_lora_rank(max(lora_rank, MIN_LORA_RANK)),
+        max_loras=settings.cache_size, max_cpu_loras=settings.cache_size,
+        max_model_len=max_len, limit_mm_per_prompt={"image": settings.max_images},
+        logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
+        disable_log_stats=True,
+    )
+
+
+def open_vllm_engine(settings: ServeSettings) -> Engine:
+    """Hash the base on the CPU (then drop its weights), and start vLLM's async engine on it."""
+    from workbench.model.presets import SHAPES
+
+    vllm = import_vllm()
+    if settings.model in SHAPES:
+        raise ValueError(f"engine='vllm' loads the base from a checkpoint folder, and "
+                         f"{settings.model!r} is a shape built in memory: save it first "
+                         "(model.save_pretrained + processor.save_pretrained)")
+    lm = load_model(settings.model, dtype=getattr(torch, settings.dtype), device="cpu")
+    base_hash = weights_hash(lm.model)
+    length = checked_max_len(EngineSettings("vllm", max_model_len=settings.max_model_len),
+                             VLLM_DTYPE, model_max_len(lm.model.config))
+    lm.model = None  # vLLM holds the weights; the processor renders the requests
+    store = open_adapter_store(settings)
+    args = engine_args(settings, lm.path, published_rank(store), length)
+    llm = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
+    backend = VLLMBackend(vllm, llm, importlib.import_module("vllm.lora.request").LoRARequest,
+                          length, args["max_lora_rank"])
+    return Engine(settings, lm, chat_format(lm.processor), base_hash, store, backend=backend)
+
+
+def check_rank(backend: VLLMBackend, name: str, folder: Path) -> None:
+    """Refuse (422) an adapter whose rank is above the engine's max_lora_rank."""
+    rank = int(json.loads((folder / "adapter_config.json").read_text())["r"])
+    if rank > backend.max_rank:
+        raise RequestError(f"adapter {name!r} has LoRA rank {rank}, above this server's "
+                           f"max_lora_rank {backend.max_rank} (set from the adapters published "
+                           "when it started): restart the server to serve it", status=422,
+                           code="adapter_rank")
+
+
+def adapter_lora(engine: Engine, model: str, name: str) -> Any:
+    """The LoRARequest of adapter `name`: on a miss it is fetched, checked and given the id of
+    its upload; beyond cache_size the least recently used one is evicted (counted)."""
+    backend = engine.backend
+    if lru_hit(engine, name):
+        return engine.resident[name]
+    folder = fetch(engine, model, name)
+    check_adapter(engine, name, folder)
+    check_rank(backend, name, folder)
+    assert engine.store is not None  # fetch found the adapter there
+    upload = storage.marker_token(engine.store, f"{registry.ADAPTERS}/{name}")
+    lora_id = backend.lora_ids.setdefault((name, upload), len(backend.lora_ids) + 1)
+    engine.resident[name] = backend.lora_cls(lora_name=name, lora_int_id=lora_id,
+                                             lora_path=str(folder))
+    while len(engine.resident) > engine.settings.cache_size:
+        engine.resident.popitem(last=False)
+        engine.counters["evictions"] += 1
+    return engine.resident[name]
+
+
+def check_limits(engine: Engine, stream: Stream) -> None:
+    """Refuse (400) a request vLLM would: too many images, or a prompt beyond the context."""
+    limit, max_len = engine.settings.max_images, engine.backend.max_len
+    if len(stream.images) > limit:
+        raise RequestError(f"the request holds {len(stream.images)} images: this server takes "
+                           f"at most {limit} (max_images)")
+    if len(stream) >= max_len:
+        raise RequestError(f"the prompt is {len(stream)} tokens: this server's context is "
+                           f"{max_len} tokens (prompt and reply)", code="context_length_exceeded")
+
+
+def prepare(engine: Engine, request: ChatRequest) -> tuple[Stream, dict[str, Any], Any]:
+    """The request's stream, its vLLM prompt and LoRARequest (None: the base); the lock is held
+    only while the adapter LRU is read and changed. RequestError for 4xx."""
+    stream = render_messages(engine.lm.processor, engine.fmt, request.messages)
+    check_limits(engine, stream)
+    with engine.lock:
+        engine.counters["requests"] += 1
+        adapter = resolve_model(engine, request.model)
+        lora = None if adapter is None else adapter_lora(engine, request.model, adapter)
+    return stream, vllm_prompt(stream), lora
+
+
+async def final_output(llm: Any, prompt: dict[str, Any], params: Any, lora: Any) -> Any:
+    """The finished RequestOutput of one vLLM request (the last its stream yields)."""
+    last = None
+    async for out in llm.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
+        last = out
+    return last
+
+
+async def generate_vllm(engine: Engine, request: ChatRequest) -> dict[str, Any]:
+    """Answer one chat request through vLLM (an OpenAI chat.completion dict): rendering and the
+    adapter run in a worker thread, the n choices are awaited together with everything else in
+    flight. RequestError for 4xx."""
+    stream, prompt, lora = await asyncio.to_thread(prepare, engine, request)
+    backend: VLLMBackend = engine.backend
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
+    generator = None if request.seed is None else torch.Generator().manual_seed(request.seed)
+    params_N = [sampling_params(backend.vllm, params, engine.fmt, seed)
+                for seed in row_seeds(request.n, generator)]
+    outputs_N = await asyncio.gather(*(final_output(backend.llm, prompt, p, lora)
+                                       for p in params_N))
+    for out in outputs_N:
+        check_prompt(out.prompt_token_ids, stream)
+    completions = [to_completion(out.outputs[0], engine.fmt) for out in outputs_N]
+    return completion_json(request, engine.lm.processor, len(stream), completions)
