@@ -184,7 +184,7 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
     assert not static.use_graphs
     assert [[c.tokens for c in turn] for turn in fallen] == \
         [[c.tokens for c in turn] for turn in eager]
-    host = SimpleNamespace(static=static, speed=SpeedSettings(cuda_graphs=True))
+    host = SimpleNamespace(static=static, engine=None, speed=SpeedSettings(cuda_graphs=True))
     assert speed_metrics(host) == {"speed/cuda_graphs": 0.0}
 
 
@@ -214,7 +214,7 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
     assert static.layer_step is layer_step
     assert [[c.tokens for c in turn] for turn in fallen] == \
         [[c.tokens for c in turn] for turn in eager]
-    host = SimpleNamespace(static=static, speed=SpeedSettings(cuda_graphs=True,
+    host = SimpleNamespace(static=static, engine=None, speed=SpeedSettings(cuda_graphs=True,
                                                                compile_decode=True))
     assert speed_metrics(host) == {"speed/cuda_graphs": 0.0, "speed/compile_decode": 0.0}
 

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ import pytest
 from workbench.envs import eval_set, oracle_ceiling, shortest_path_lengths
 from workbench.notebook import read_recorded
 from workbench.rl import FAILURE_REASONS
+from workbench.serve.deploy import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -283,12 +283,6 @@ def _browser_missing() -> str:
     return ""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _wait_for_server(url: str, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -319,7 +313,7 @@ def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_port(), secrets.token_hex(16)
     env = os.environ | {"JUPYTER_CONFIG_DIR": str(tmp_path / "config"),
                         "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
     proc = subprocess.Popen(

@@ -19,7 +19,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ import pytest
 
 from workbench.jobs import TERMINAL
 from workbench.run import read_metrics
+from workbench.serve.deploy import free_port
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ray") is None,
                                 reason="needs the ray extra (pip install 'workbench[ray]')")
@@ -48,15 +48,9 @@ class Head:
     client_env: dict  # what a client process gets: the token, no RAY_AUTH_MODE
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _start_head(temp_dir: Path) -> tuple[subprocess.Popen, Head]:
     """`ray start --head --block` on loopback with 2 CPUs and token auth (the process, the head)."""
-    gcs, client, dashboard = _free_port(), _free_port(), _free_port()
+    gcs, client, dashboard = free_port(), free_port(), free_port()
     token = secrets.token_hex(16)
     bin_dir = str(Path(sys.executable).parent)  # the job's `python` is this venv's
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")} | {

@@ -41,6 +41,7 @@ from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
 from workbench.policy import append_reply, chat_format, start_stream
 from workbench.rl.rollout import observe, user_text
 from workbench.serve import ServeSettings, image_data_url, key_hash, render_messages
+from workbench.serve.deploy import free_port
 from workbench.serve.vllm import llm_config
 
 HAVE_SERVE = all(importlib.util.find_spec(m) for m in ("fastapi", "ray", "openai", "httpx"))
@@ -124,7 +125,7 @@ def client(local_store: storage.Store, tiny_dir: Path):
     from starlette.testclient import TestClient
 
     from workbench.serve.app import build_app
-    from workbench.serve.engine import open_engine
+    from workbench.serve.replica import open_engine
 
     settings = ServeSettings(model=str(tiny_dir), served_name="tiny", adapters=local_store.root,
                              cache_size=2, api_key_sha256=key_hash(KEY))
@@ -199,7 +200,7 @@ def test_an_episode_through_the_endpoint_is_the_greedy_rollout(sft_model: str) -
     from workbench.rl import play_model
     from workbench.serve.app import build_app
     from workbench.serve.client import play_via_endpoint
-    from workbench.serve.engine import open_engine
+    from workbench.serve.replica import open_engine
 
     config, states = MazeConfig(size=5, max_turns=6), eval_set(5, 3)
     app = build_app(open_engine(ServeSettings(model=sft_model, served_name="sft")))
@@ -247,12 +248,6 @@ def test_api_key_is_required(client) -> None:
 # ------------------------------------------------------------------ live: Ray Serve
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def live_server(s3_server: str, lora_adapters: dict[str, Path], tiny_dir: Path,
                 tmp_path_factory: pytest.TempPathFactory):
@@ -265,7 +260,7 @@ def live_server(s3_server: str, lora_adapters: dict[str, Path], tiny_dir: Path,
     store = storage.open_store("s3://wb-serve-live/wb", s3_server)
     for name in ("a0", "a1", "a2"):
         registry.publish(store, lora_adapters[name], name)
-    tmp, port = tmp_path_factory.mktemp("serve"), _free_port()
+    tmp, port = tmp_path_factory.mktemp("serve"), free_port()
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"} | {
         "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1",
         "WORKBENCH_API_KEY": KEY}

@@ -197,7 +197,8 @@ def client(fake_vllm: FakeAsyncVLLM, store: storage.Store, tiny_dir: Path) -> It
     from starlette.testclient import TestClient
 
     from workbench.serve.app import build_app
-    from workbench.serve.engine import close_engine, open_engine
+    from workbench.serve.engine import close_engine
+    from workbench.serve.replica import open_engine
 
     engine = open_engine(_settings(tiny_dir, store))
     with TestClient(build_app(engine)) as c:
@@ -228,7 +229,7 @@ def test_engine_choice_is_checked_in_one_line() -> None:
 
 def test_vllm_missing_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
                                            tiny_dir: Path) -> None:
-    from workbench.serve.engine import open_engine
+    from workbench.serve.replica import open_engine
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     with pytest.raises(ImportError) as err:

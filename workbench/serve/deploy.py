@@ -42,7 +42,7 @@ def deployment(settings: ServeSettings) -> Any:
     require("fastapi")
     serve = require("ray.serve")
     from workbench.serve.app import build_app
-    from workbench.serve.engine import open_engine
+    from workbench.serve.replica import open_engine
 
     @serve.deployment(name="openai", num_replicas=settings.num_replicas,
                       ray_actor_options={"num_cpus": settings.cpus_per_replica,
@@ -113,7 +113,7 @@ def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print
                          "(or a cluster); in this process there is one")
     uvicorn = require("uvicorn")
     from workbench.serve.app import build_app
-    from workbench.serve.engine import open_engine
+    from workbench.serve.replica import open_engine
 
     engine = open_engine(settings)
     server = uvicorn.Server(uvicorn.Config(build_app(engine), host=settings.host,

@@ -1,7 +1,7 @@
 """The serving engine of one replica: a base model, LoRA adapters loaded on first use into an LRU
 of `cache_size`, and the transformers sampler of `workbench.policy`.
 
-    engine = open_engine(ServeSettings(model="tiny", adapters="s3://bucket/workbench"))
+    engine = open_transformers_engine(ServeSettings(model="tiny", adapters="s3://b/wb"))
     generate(engine, parse_request(body, 16, 256))      # an OpenAI chat.completion dict
 
 `model` in a request is the base id (the base alone) or `<base>:<adapter>`; `<base>:default` is
@@ -25,7 +25,6 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,11 +104,6 @@ class Engine:
     backend: Any = None  # vllm: its VLLMBackend (async engine, LoRA ids); transformers: None
 
 
-def open_engine(settings: ServeSettings) -> Engine:
-    """The replica's engine of `settings.engine` (see OPENERS)."""
-    return OPENERS[settings.engine](settings)
-
-
 def open_transformers_engine(settings: ServeSettings) -> Engine:
     """Load and hash the base; wrap it in PEFT with an inert rank-1 adapter, so that adapters
     come and go with load_adapter / delete_adapter and the base runs with adapters disabled."""
@@ -117,16 +111,6 @@ def open_transformers_engine(settings: ServeSettings) -> Engine:
     base_hash = weights_hash(lm.model)
     lm.model = add_lora(lm.model, LoraSettings(rank=1, alpha=1)).eval()  # B = 0: inert
     return Engine(settings, lm, chat_format(lm.processor), base_hash, open_adapter_store(settings))
-
-
-def _open_vllm_engine(settings: ServeSettings) -> Engine:
-    from workbench.serve.vllm_async import open_vllm_engine
-
-    return open_vllm_engine(settings)
-
-
-OPENERS: dict[str, Callable[[ServeSettings], Engine]] = {
-    "transformers": open_transformers_engine, "vllm": _open_vllm_engine}
 
 
 def open_adapter_store(settings: ServeSettings) -> storage.Store | None:
