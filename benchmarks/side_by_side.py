@@ -9,7 +9,9 @@ next opens):
   rollout   the seed-shape rollout through `phases.rollout` (environment stepped, replies parsed):
             a warm-up, then median of --repeats; sampled tokens/s; vLLM's prefix-cache hit rate
   anchor    (vllm) the same 15-turn loop on vLLM's own `LLM.generate` with no environment and no
-            workbench glue (shared/gpu/vllm_8b.py's loop): what the glue costs
+            workbench code (shared/gpu/vllm_8b.py's loop), then adding one at a time what our
+            rollout sends: the LoRA adapter, log-probs + logit bias, the rollout's own images
+            (--anchor-variants): where the rollout's time over vLLM's own goes
   step      (--step-engines) a whole GRPO step through the session, per phase (benchmarks/gpu.py's
             `grpo_step`: update with +-1 advantages, a random model earns no reward)
 
@@ -128,45 +130,67 @@ def bench_rollout(session: Any, args: Any, device: torch.device) -> dict[str, An
                 f"{sampled} sampled tokens")
     timed_runs = runs[1:]
     s = statistics.median(x["s"] for x in timed_runs)
+    episodes = ro.flat  # the last rollout's: the anchor replays its first prompts and images
     return {"rollout_s": s, "runs": runs, "turns": timed_runs[0]["turns"],
             "sampled_tokens_per_s": statistics.median(x["sampled_tokens"] / x["s"]
                                                       for x in timed_runs),
             "episode_tokens_mean": timed_runs[0]["episode_tokens_mean"],
-            "speed_metrics": session.speed_metrics().result()}
+            "speed_metrics": session.speed_metrics().result(), "episodes": episodes}
 
 
-def bench_anchor(llm: Any, host: Any, args: Any) -> dict[str, float]:
-    """vLLM's own loop at the same shape, no environment and no workbench code: each of the
-    P x G rows appends its sampled ids, <|im_end|>, and a fixed next user turn with the maze's
-    image (shared/gpu/vllm_8b.py)."""
+ANCHOR_VARIANTS = ("plain", "lora", "lora+logprobs", "lora+logprobs+images")
+"""vLLM's own loop, each variant adding one thing the workbench's rollout does: the adapter of
+the weights version (a LoRARequest), the sampled token's log-prob with the logit bias on banned
+tokens, and the images the rollout really saw (a new one each turn) instead of one re-sent."""
+
+
+def anchor_images(episodes: list[Any], rows: int, turns: int, fresh: bool) -> list[list[Any]]:
+    """Row i's image at each turn: the rollout's own (fresh) or its first, re-sent."""
+    from PIL import Image
+
+    out = []
+    for ep in episodes[:rows]:
+        seen = [Image.fromarray(im.image_HW3) for im in ep.stream.images]
+        out.append([seen[min(k, len(seen) - 1)] if fresh else seen[0] for k in range(turns)])
+    return out
+
+
+def bench_anchor(engine: Any, host: Any, args: Any, episodes: list[Any],
+                 variant: str) -> dict[str, float]:
+    """vLLM's own 15-turn loop at the same shape, no environment and no workbench code: each of
+    the P x G rows appends its sampled ids, <|im_end|>, and a fixed next user turn with an image
+    (shared/gpu/vllm_8b.py's loop), plus what `variant` adds (ANCHOR_VARIANTS)."""
     from vllm import SamplingParams as VParams
 
-    from workbench.policy.vllm_engine import vllm_prompt
+    from workbench.policy.vllm_engine import lora_request, vllm_prompt
 
-    config = gpu.seed_config(args)
-    first = [vllm_prompt(p) for p in gpu.first_prompts(host, config, args.mazes)]
-    tok = host.lm.processor.tokenizer
-    close_ids = [host.fmt.im_end] + tok.encode("\n", add_special_tokens=False)
+    tok, fmt = host.lm.processor.tokenizer, host.fmt
+    close_ids = [fmt.im_end] + tok.encode("\n", add_special_tokens=False)
     user_ids = tok.encode("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>"
                           "Invalid action. This is step 2.<|im_end|>\n<|im_start|>assistant\n",
                           add_special_tokens=False)
-    if user_ids.count(host.fmt.image_pad) != 1:
+    if user_ids.count(fmt.image_pad) != 1:
         raise RuntimeError("the anchor's user turn must hold exactly one <|image_pad|>")
     B = args.mazes * args.group
-    ids = [list(first[i // args.group]["prompt_token_ids"]) for i in range(B)]
-    imgs = [list(first[i // args.group]["multi_modal_data"]["image"]) for i in range(B)]
+    images = anchor_images(episodes, B, args.turns, "images" in variant)
+    first = [vllm_prompt(p) for p in gpu.first_prompts(host, gpu.seed_config(args), args.mazes)]
+    ids = [list(first[i // args.group]["prompt_token_ids"]) for i in range(B)]  # the rollout's
+    lora = None
+    if "lora" in variant and engine.version is not None:
+        lora = lora_request(engine.lora_cls, engine.version, engine.adapter_folder(engine.version))
+    extra = {"logprobs": 0, "logit_bias": {t: -100.0 for t in fmt.banned}} \
+        if "logprobs" in variant else {}
     start = time.perf_counter()
     for k in range(args.turns):
-        reqs = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": imgs[i]}}
+        reqs = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": images[i][:k + 1]}}
                 for i in range(B)]
         params = [VParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
-                          detokenize=False, seed=1000 * i + k) for i in range(B)]
-        outs = llm.generate(reqs, params, use_tqdm=False)
+                          detokenize=False, seed=1000 * i + k, **extra) for i in range(B)]
+        outs = engine.llm.generate(reqs, params, lora_request=lora, use_tqdm=False)
         for i, o in enumerate(outs):
             ids[i] = ids[i] + list(o.outputs[0].token_ids) + close_ids + user_ids
-            imgs[i].append(imgs[i][0])
-    s = time.perf_counter() - start
-    return {"anchor_rollout_s": s, "final_prompt_tokens": len(outs[0].prompt_token_ids)}
+    return {"rollout_s": time.perf_counter() - start, "lora": lora is not None,
+            "final_prompt_tokens": len(outs[0].prompt_token_ids)}
 
 
 def bench_step(session: Any, args: Any, device: torch.device) -> dict[str, Any]:
@@ -203,13 +227,17 @@ def run_engine(name: str, model: str, args: Any, device: torch.device, out: Path
         save(out)
         res["rollout"] = bench_rollout(session, args, device)
         r = res["rollout"]
+        episodes = r.pop("episodes")  # kept for the anchor, not written to the JSON
         gpu.log(f"{name}: rollout {r['rollout_s']:.2f} s ({r['turns']} turns, "
                 f"{r['sampled_tokens_per_s']:,.0f} sampled tok/s); {r['speed_metrics']}")
         save(out)
         if name == "vllm":
-            res["anchor"] = bench_anchor(session.host.engine.llm, session.host, args)
-            gpu.log(f"{name}: vLLM's own loop (no env, no glue) "
-                    f"{res['anchor']['anchor_rollout_s']:.2f} s")
+            res["anchor"] = {}
+            for variant in args.anchor_variants:
+                a = bench_anchor(session.host.engine, session.host, args, episodes, variant)
+                res["anchor"][variant] = a
+                gpu.log(f"{name}: vLLM's own loop ({variant}; no env, no workbench code) "
+                        f"{a['rollout_s']:.2f} s")
             save(out)
         if name in args.step_engines:
             if time.perf_counter() - gpu.T0 > args.deadline:
@@ -235,8 +263,8 @@ def summary() -> None:
             line += f" | rollout {r['rollout']['rollout_s']:6.2f} s"
             hit = r["rollout"]["speed_metrics"].get("vllm/prefix_cache_hit_rate")
             line += f" (prefix cache hit {100 * hit:.1f}%)" if hit is not None else ""
-        if "anchor" in r:
-            line += f" | vLLM alone {r['anchor']['anchor_rollout_s']:.2f} s"
+        for variant, a in r.get("anchor", {}).items():
+            line += f" | vLLM alone ({variant}) {a['rollout_s']:.2f} s"
         print(line)
         if "step" in r:
             m = r["step"]["median"]
@@ -260,6 +288,8 @@ def main() -> None:
     ap.add_argument("--workdir", default="/tmp/side-by-side-work")
     ap.add_argument("--engines", type=lambda s: s.split(","), default=["transformers", "vllm"])
     ap.add_argument("--step-engines", type=lambda s: s.split(","), default=["vllm"])
+    ap.add_argument("--anchor-variants", type=lambda s: s.split(","),
+                    default=list(ANCHOR_VARIANTS), help=f"of {', '.join(ANCHOR_VARIANTS)}")
     ap.add_argument("--memory", type=float, default=0.3, help="vLLM's GPU memory share")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
