@@ -2,7 +2,8 @@
 # Issue 16 item 4 on one machine of 2 H200s, in about 8 minutes: benchmarks/ray_gpu.py's sections
 # and the remote-cluster run (remote_x2.sh). Every figure goes to OUT/ray_gpu.json; the last
 # lines printed are every section's figures. Run after the unpack line of
-# shared/gpu/README.md, the .whl install line (papermill) and PYTHONPATH=/tmp/site:$PWD; not yet run
+# shared/gpu/README.md, the .whl install line (papermill; benchmarks/gpu_runs/wheels.sh) and
+# PYTHONPATH=/tmp/site:$PWD, carrying .carry (gpu_site.tar.xz) and .whl; not yet run
 # (the 2-GPU machine was not lent on 2026-12-01): benchmarks/RESULTS.md, issue 16.
 #   bash benchmarks/gpu_runs/ray_x2.sh OUT_DIR        (BUDGET_S: seconds for all of it, 530)
 set -u
