@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_args() -> argparse.Namespace:
@@ -65,23 +66,16 @@ def parse_args() -> argparse.Namespace:
 def base_folder(model: str, workdir: Path, device: str) -> str:
     """A checkpoint folder of `model`: the tiny default built locally, a shape's random weights
     saved once, or the folder given."""
-    import torch
+    from vllm_agreement import save_shape
 
-    from workbench.model import TINY_NAME, load_model, tiny_path
+    from workbench.model import TINY_NAME, tiny_path
     from workbench.model.presets import SHAPES
 
     if model == TINY_NAME:
         return str(tiny_path(root=workdir))
     if model not in SHAPES:
         return model
-    folder = workdir / "models" / model
-    if not (folder / "config.json").is_file():
-        lm = load_model(model, dtype=torch.bfloat16, device=device)
-        lm.model.save_pretrained(folder, max_shard_size="5GB")
-        lm.processor.save_pretrained(folder)
-        del lm
-        gc.collect()
-    return str(folder)
+    return save_shape(model, workdir / "models" / model, device)  # bf16, as vLLM serves it
 
 
 def make_adapters(folder: str, n: int, args: argparse.Namespace, workdir: Path) -> str:

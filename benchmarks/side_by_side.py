@@ -38,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import gpu  # noqa: E402  (benchmarks/gpu.py: timing, model facts, the GRPO step)
+from vllm_agreement import save_shape  # noqa: E402
 
 from workbench.envs import eval_set  # noqa: E402
 from workbench.model import LoraSettings  # noqa: E402
@@ -52,20 +53,6 @@ RESULTS: dict[str, Any] = {}
 
 def save(out: Path) -> None:
     (out / "side_by_side.json").write_text(json.dumps(RESULTS, indent=1, default=str))
-
-
-def checkpoint_folder(shape: str, folder: Path, device: str) -> str:
-    """The shape's random bf16 weights saved as a checkpoint folder (kept if already there)."""
-    from workbench.model import load_model
-
-    if not (folder / "config.json").is_file():
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        lm = load_model(shape, dtype=dtype, device=device)
-        lm.model.save_pretrained(folder, max_shard_size="5GB")
-        lm.processor.save_pretrained(folder)
-        del lm
-        free_memory()
-    return str(folder)
 
 
 def free_memory() -> None:
@@ -319,7 +306,8 @@ def main() -> None:
                       "torch": torch.__version__, "transformers": transformers.__version__,
                       "gpu": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     gpu.log(f"env: {RESULTS['env']}")
-    model = checkpoint_folder(args.shape, Path(args.folder), args.device)
+    model = save_shape(args.shape, Path(args.folder), args.device,
+                       "bfloat16" if device.type == "cuda" else "float32")
     gpu.log(f"{args.shape} saved to {model}")
     for name in args.engines:
         try:

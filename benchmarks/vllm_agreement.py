@@ -17,20 +17,22 @@ import time
 from pathlib import Path
 
 
-def save_shape(shape: str, folder: Path) -> None:
-    """Random bf16 weights of `shape` saved as a checkpoint folder (kept when already there)."""
+def save_shape(shape: str, folder: Path, device: str = "cuda", dtype: str = "bfloat16") -> str:
+    """Random weights of `shape` saved as a checkpoint folder (vLLM loads from disk; kept when
+    already there) -> the folder. The other GPU benchmarks (side_by_side, serve_bench) use it."""
     import torch
 
     from workbench.model import load_model
 
-    if (folder / "config.json").is_file():
-        return
-    lm = load_model(shape, dtype=torch.bfloat16, device="cuda")
-    lm.model.save_pretrained(folder, max_shard_size="5GB")
-    lm.processor.save_pretrained(folder)
-    del lm
-    gc.collect()
-    torch.cuda.empty_cache()
+    if not (folder / "config.json").is_file():
+        lm = load_model(shape, dtype=getattr(torch, dtype), device=device)
+        lm.model.save_pretrained(folder, max_shard_size="5GB")
+        lm.processor.save_pretrained(folder)
+        del lm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return str(folder)
 
 
 def main() -> None:
