@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-GROUP_TIMEOUT = timedelta(minutes=10)
+GROUP_TIMEOUT = timedelta(minutes=10)  # a collective (or store) waiting longer fails
 STORE_PREFIX = "weights/"
 
 

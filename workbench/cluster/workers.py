@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,14 +30,13 @@ import torch
 from workbench.cluster import weight_sync
 from workbench.cluster.metrics import GaugeSet
 from workbench.cluster.parallel import all_reduce_grads, empty_output, shard_frozen_base
+from workbench.cluster.weight_sync import GROUP_TIMEOUT
 from workbench.policy import SamplingParams, Stream
 from workbench.session import host
 from workbench.session.host import EpisodeLoop, ModelHost
 from workbench.session.losses import LossConfig
 from workbench.session.spec import SessionSpec
 from workbench.session.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
-
-GROUP_TIMEOUT = timedelta(minutes=10)  # a collective waiting longer than this fails
 
 
 def set_threads(threads: int) -> None:
