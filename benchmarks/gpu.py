@@ -284,14 +284,17 @@ def seed_config(args: Any, size: int = 9) -> MazeConfig:
 
 
 def set_trainer(host: Any, variant: str) -> tuple[str, bool, int]:
-    """Apply an update variant "CKPT-LORA-MB[-c]": CKPT full | sac (selective: keep matmuls) |
-    none, LORA bf16 (autocast) | fp32 (peft's path), MB episodes a forward_backward call, c:
-    decoder layers torch.compile'd for the update (once on, it stays on)."""
+    """Apply an update variant "CKPT-LORA-MB[-c][-hfv]": CKPT full | sac (selective: keep
+    matmuls) | none, LORA bf16 (autocast) | fp32 (peft's path), MB episodes a forward_backward
+    call, c: decoder layers torch.compile'd for the update (once on, it stays on), hfv: the vision
+    tower attends image by image (transformers' loop) instead of one call a layer."""
+    from workbench.model.vision import batch_vision_attention
     from workbench.session.gpu import compile_for_training, set_checkpointing
 
-    ckpt, lora, mb, *compiled = variant.split("-")
-    if compiled == ["c"]:
+    ckpt, lora, mb, *flags = variant.split("-")
+    if "c" in flags:
         compile_for_training(host.lm.model)
+    batch_vision_attention(host.lm.model, on="hfv" not in flags)
     if ckpt not in ("full", "sac", "none") or lora not in ("bf16", "fp32"):
         raise ValueError(f"update variant {variant!r}: want full|sac|none-bf16|fp32-N")
     set_checkpointing(host.lm.model, ckpt != "none", selective=ckpt == "sac")
@@ -304,16 +307,8 @@ def section_update(session: Session, args: Any, device: torch.device, facts: dic
     """forward_backward of the same 32 episodes (one rollout, every other episode) under each
     trainer setting: checkpointing on/off, LoRA float32 (peft) / bf16 (autocast), mini-batch."""
     tc, host = session.training_client, session.host
-    sampler = tc.save_weights_and_get_sampling_client()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
-    ro = phases.rollout(sampler, seed_config(args), eval_set(9, args.mazes), args.group, params,
-                        99)
-    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
-              for k, ep in enumerate(ro.flat)]
-    loss = LossConfig(reduction="sequence_mean")
-    weighted = sorted(phases.global_weights(datums, loss.reduction), key=lambda d: len(d.stream))
+    weighted, summed = update_datums(session, args)
     half = weighted[::2]
-    summed = replace(loss, reduction="sum")
     flops = train_flops(half, facts, facts["vision_flops_per_patch"])
     out = RESULTS.setdefault("update", {"tokens": flops["tokens"], "episodes": len(half),
                                         "model_tflop": flops["model_flops"] / 1e12})
@@ -328,7 +323,7 @@ def section_update(session: Session, args: Any, device: torch.device, facts: dic
             return [tc.forward_backward(half[i:i + mb], "ppo", summed).result()
                     for i in range(0, len(half), mb)]
         try:
-            if name.endswith("-c"):  # compile (and warm up) outside the timing
+            if "c" in name.split("-")[3:]:  # compile (and warm up) outside the timing
                 _, s_compile = timed(partial(fb_call, tc, half[:mb], summed), device)
                 log(f"update {name}: first call (compiles) {s_compile:.1f} s")
             if not warm:
@@ -369,23 +364,45 @@ def section_update(session: Session, args: Any, device: torch.device, facts: dic
         profile_update(tc, half[:args.minibatch], summed, Path(args.out))
 
 
+def update_datums(session: Session, args: Any) -> tuple[list, LossConfig]:
+    """The seed-shape rollout's episodes as update datums (advantage +-1 by parity: a random
+    model earns no reward), weighted for a sequence-mean loss and sorted by length, and the
+    summed loss that forward_backward calls over slices of them take."""
+    sampler = session.training_client.save_weights_and_get_sampling_client()
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+    ro = phases.rollout(sampler, seed_config(args), eval_set(9, args.mazes), args.group, params,
+                        99)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
+              for k, ep in enumerate(ro.flat)]
+    loss = LossConfig(reduction="sequence_mean")
+    weighted = sorted(phases.global_weights(datums, loss.reduction), key=lambda d: len(d.stream))
+    return weighted, replace(loss, reduction="sum")
+
+
 def fb_call(tc: Any, datums: list, loss: Any) -> Any:
     return tc.forward_backward(datums, "ppo", loss).result()
 
 
-def profile_update(tc: Any, datums: list, loss: Any, out: Path) -> None:
-    """torch.profiler over one forward_backward call: the kernels that take the time."""
+def profile_update(tc: Any, datums: list, loss: Any, out: Path) -> dict[str, float]:
+    """torch.profiler over one forward_backward call: the kernels that take the time, and how
+    much of the call's wall time (timed again without the profiler) the GPU is busy."""
     from torch.profiler import ProfilerActivity, profile
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, wall_s = timed(lambda: fb_call(tc, datums, loss), device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         fb_call(tc, datums, loss)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40,
-                                      max_name_column_width=70)
+    averages = prof.key_averages()
+    kernel_s = sum(getattr(e, "self_device_time_total", 0.0) for e in averages) / 1e6
+    table = averages.table(sort_by="self_cuda_time_total", row_limit=40,
+                           max_name_column_width=70)
     (out / "profile_update.txt").write_text(table)
-    log("profile of one forward_backward call (top kernels by self CUDA time):\n" +
-        "\n".join(table.splitlines()[:28]))
+    log(f"profile of one forward_backward call of {len(datums)} episodes: wall {wall_s:.3f} s "
+        f"(no profiler), kernels {kernel_s:.3f} s = GPU busy {100 * kernel_s / wall_s:.0f}%; "
+        "top kernels by self CUDA time:\n" + "\n".join(table.splitlines()[:28]))
+    return {"wall_s": wall_s, "kernel_s": kernel_s, "episodes": len(datums)}
 
 
 # ------------------------------------------------------------------------------------ GRPO step
@@ -430,8 +447,10 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
     sampler, handoff = timed(tc.save_weights_and_get_sampling_client, device)
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
     reset_peak(device)
+    session.speed_metrics().result()  # vLLM's counters from here on
     ro, s_roll = timed(lambda: phases.rollout(sampler, config, states, G, params, seed), device)
     sampler_peak = peak_gb(device)
+    inside_s = session.speed_metrics().result().get("vllm/generate_s", float("nan"))
     sc, s_score = timed(lambda: phases.score(ro), device)
     adv, s_adv = timed(lambda: phases.advantages(sc.rewards_P_G, "grpo"), device)
     datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)  # no reward: +-1 by parity
@@ -456,7 +475,8 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
     caps = (static.captures - caps0[0], static.capture_seconds - caps0[1]) if static else (0, 0)
     return {
         "P": P, "G": G, "size": config.size, "px": config.px_per_cell,
-        "handoff_s": handoff, "rollout_s": s_roll, "score_s": s_score, "advantages_s": s_adv,
+        "handoff_s": handoff, "rollout_s": s_roll, "rollout_in_vllm_generate_s": inside_s,
+        "score_s": s_score, "advantages_s": s_adv,
         "forward_backward_s": s_fb, "optim_step_s": s_opt, "update_s": s_update,
         "step_s": handoff + s_roll + s_score + s_adv + s_update,
         "graph_captures_in_rollout": caps[0], "graph_capture_s_in_rollout": caps[1],
@@ -489,7 +509,8 @@ def kv_pool_gb(static: Any) -> float:
 
 def print_step(tag: str, r: dict) -> None:
     log(f"{tag}: step {r['step_s']:.2f} s = handoff {r['handoff_s']:.3f} + rollout "
-        f"{r['rollout_s']:.2f} (captures {r['graph_captures_in_rollout']}, "
+        f"{r['rollout_s']:.2f} (in vLLM's generate {r['rollout_in_vllm_generate_s']:.2f}; "
+        f"captures {r['graph_captures_in_rollout']}, "
         f"{r['graph_capture_s_in_rollout']:.2f} s) + score {r['score_s']:.4f} + adv "
         f"{r['advantages_s']:.4f} + fwd_bwd {r['forward_backward_s']:.2f} + optim "
         f"{r['optim_step_s']:.3f}")

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import statistics
 import sys
@@ -72,7 +73,8 @@ def session_spec(args: Any, model: str, engine: str) -> SessionSpec:
     dtype = "bfloat16" if cuda or engine == "vllm" else "float32"  # vLLM's LoRA: bf16 / fp16
     return SessionSpec(model, LoraSettings(rank=32, alpha=64), f"{args.workdir}/{engine}",
                        dtype, args.device,
-                       EngineSettings(engine, gpu_memory_utilization=args.memory), speed)
+                       EngineSettings(engine, gpu_memory_utilization=args.memory,
+                                      vllm_lora=args.vllm_lora), speed)
 
 
 def bench_decode(host: Any, args: Any, device: torch.device) -> dict[str, float]:
@@ -111,9 +113,13 @@ def bench_rollout(session: Any, args: Any, device: torch.device) -> dict[str, An
                                                      params, 100 + r), device)
         sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
         turns = sum(ep.turns for ep in ro.flat)
+        metrics = session.speed_metrics().result()  # this rollout's (vLLM: cache, generate_s)
         runs.append({"s": s, "sampled_tokens": sampled, "turns": turns,
-                     "episode_tokens_mean": statistics.mean(len(ep.stream) for ep in ro.flat)})
-        gpu.log(f"  rollout {'warm-up' if r == 0 else r}: {s:.2f} s, {turns} turns, "
+                     "episode_tokens_mean": statistics.mean(len(ep.stream) for ep in ro.flat),
+                     "speed_metrics": metrics})
+        inside = (f", {metrics['vllm/generate_s']:.2f} s of it inside vLLM's generate"
+                  if "vllm/generate_s" in metrics else "")
+        gpu.log(f"  rollout {'warm-up' if r == 0 else r}: {s:.2f} s{inside}, {turns} turns, "
                 f"{sampled} sampled tokens")
     timed_runs = runs[1:]
     s = statistics.median(x["s"] for x in timed_runs)
@@ -122,13 +128,15 @@ def bench_rollout(session: Any, args: Any, device: torch.device) -> dict[str, An
             "sampled_tokens_per_s": statistics.median(x["sampled_tokens"] / x["s"]
                                                       for x in timed_runs),
             "episode_tokens_mean": timed_runs[0]["episode_tokens_mean"],
-            "speed_metrics": session.speed_metrics().result(), "episodes": episodes}
+            "speed_metrics": runs[-1]["speed_metrics"], "episodes": episodes}
 
 
-ANCHOR_VARIANTS = ("plain", "lora", "lora+logprobs", "lora+logprobs+images")
+ANCHOR_VARIANTS = ("plain", "lora", "lora+logprobs", "lora+logprobs+images",
+                   "lora+logprobs+images+uuids")
 """vLLM's own loop, each variant adding one thing the workbench's rollout does: the adapter of
 the weights version (a LoRARequest), the sampled token's log-prob with the logit bias on banned
-tokens, and the images the rollout really saw (a new one each turn) instead of one re-sent."""
+tokens, and the images the rollout really saw (a new one each turn) instead of one re-sent; the
+last gives each image a content id (`multi_modal_uuids`), so vLLM does not hash its pixels."""
 
 
 def anchor_images(episodes: list[Any], rows: int, turns: int, fresh: bool) -> list[list[Any]]:
@@ -167,10 +175,14 @@ def bench_anchor(engine: Any, host: Any, args: Any, episodes: list[Any],
         lora = lora_request(engine.lora_cls, engine.version, engine.adapter_folder(engine.version))
     extra = {"logprobs": 0, "logit_bias": {t: -100.0 for t in fmt.banned}} \
         if "logprobs" in variant else {}
+    digest = {id(im): hashlib.sha1(im.tobytes()).hexdigest() for row in images for im in row}
     start = time.perf_counter()
     for k in range(args.turns):
         reqs = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": images[i][:k + 1]}}
                 for i in range(B)]
+        if "uuids" in variant:
+            for i, req in enumerate(reqs):
+                req["multi_modal_uuids"] = {"image": [digest[id(im)] for im in images[i][:k + 1]]}
         params = [VParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
                           detokenize=False, seed=1000 * i + k, **extra) for i in range(B)]
         outs = engine.llm.generate(reqs, params, lora_request=lora, use_tqdm=False)
@@ -196,7 +208,12 @@ def bench_step(session: Any, args: Any, device: torch.device) -> dict[str, Any]:
     timed_runs = runs[1:] or runs
     med = {k: statistics.median(x[k] for x in timed_runs) if isinstance(v, float) else v
            for k, v in timed_runs[0].items()}
-    return {"median": med, "runs": runs, "update_variant": args.update}
+    out = {"median": med, "runs": runs, "update_variant": args.update}
+    if args.profile_update:
+        weighted, summed = gpu.update_datums(session, args)
+        out["profile"] = gpu.profile_update(session.training_client, weighted[:minibatch],
+                                            summed, Path(args.out))
+    return out
 
 
 def run_engine(name: str, model: str, args: Any, device: torch.device, out: Path) -> None:
@@ -278,6 +295,8 @@ def main() -> None:
     ap.add_argument("--anchor-variants", type=lambda s: s.split(","),
                     default=list(ANCHOR_VARIANTS), help=f"of {', '.join(ANCHOR_VARIANTS)}")
     ap.add_argument("--memory", type=float, default=0.3, help="vLLM's GPU memory share")
+    ap.add_argument("--vllm-lora", default="adapter", choices=("adapter", "merged"),
+                    help="generator.vllm_lora: LoRA kernels, or the adapter merged into vLLM")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--turns", type=int, default=15)
@@ -289,6 +308,8 @@ def main() -> None:
                     help="benchmarks/gpu.py's CKPT-LORA-MB[-c]")
     ap.add_argument("--compile-layers", action="store_true",
                     help="build the trainer with compiled layers (--update ...-c compiles anyway)")
+    ap.add_argument("--profile-update", action="store_true",
+                    help="after the steps: one forward_backward call under torch.profiler")
     ap.add_argument("--peak-tflops", type=float, default=788.0, help="bf16 matmul peak for MFU")
     ap.add_argument("--deadline", type=float, default=480.0, help="skip later steps after (s)")
     ap.add_argument("--quick", action="store_true", help="tiny sizes (CPU dry run)")

@@ -117,6 +117,44 @@ def test_load_tiny_by_name_uses_cache(tiny_dir: Path, workbench_cache: Path) -> 
 # ---------------------------------------------------------------- tokenizer
 
 
+def test_vision_attention_is_one_call_for_same_size_images(tiny, tiny_dir: Path) -> None:
+    """load_model gives the vision tower one batched attention call for images of one size
+    (model/vision.py); its features equal transformers' image-by-image loop, and mixed sizes
+    take transformers' own path."""
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(str(tiny_dir), attn_implementation="sdpa")
+    blocks = tiny.model.model.visual.blocks
+    assert all(b.attn.batched_images for b in blocks)
+    assert not any(getattr(b.attn, "batched_images", False) for b in hf.model.visual.blocks)
+
+    def images(*configs: MazeConfig) -> list:
+        return [encode_image(tiny.processor, MazeEnv(c).reset(seed=s)[0]["image"])
+                for s, c in enumerate(configs)]
+
+    calls = []
+    hook = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return hook(*args, **kwargs)
+
+    for batch in (images(CONFIG, CONFIG, CONFIG), images(CONFIG, MazeConfig(size=5))):
+        pixels = torch.cat([im.pixel_values for im in batch])
+        grid = torch.stack([im.grid_thw for im in batch])
+        with torch.no_grad():
+            want = hf.model.get_image_features(pixels, grid, return_dict=True).pooler_output
+            calls.clear()
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
+                got = tiny.model.model.get_image_features(pixels, grid,
+                                                          return_dict=True).pooler_output
+        same_size = len({tuple(im.grid_thw.tolist()) for im in batch}) == 1
+        assert len(calls) == len(blocks) * (1 if same_size else len(batch))
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_action_words_are_single_tokens(tiny) -> None:
     tok = tiny.processor.tokenizer
     ids = {w: tok.encode(w, add_special_tokens=False) for w in ("up", "down", "left", "right",

@@ -13,7 +13,7 @@ import json
 import sys
 import types
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,8 @@ class FakeVLLM:
     seen: list[list[int]] = field(default_factory=list)  # prompts run (expanded), for the cache
     cache_queries: int = 0  # prefix-cache counters as vLLM counts them (token granularity here)
     cache_hits: int = 0
+    loaded: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)  # merged pushes
+    resets: int = 0  # reset_prefix_cache() calls
 
     def logprob(self, call: int, position: int) -> float:
         return -0.125 * (call + 1) - 0.01 * position
@@ -129,6 +131,22 @@ class FakeVLLM:
         self.cache_hits += max((shared(prompt, old) for old in self.seen), default=0)
         self.seen.append(prompt)
 
+    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+        """LLM.collective_rpc on one worker: the worker extension named in LLM(...) (our real
+        MergedWeightsWorker class) on the CPU, its model's load_weights recorded."""
+        path = self.llm_kwargs[-1]["worker_extension_cls"]
+        module, name = path.rsplit(".", 1)
+        worker = getattr(__import__(module, fromlist=[name]), name)()
+        worker.device = torch.device("cpu")
+        model = types.SimpleNamespace(load_weights=lambda w: self.loaded.append(list(w)))
+        worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        return [getattr(worker, method)(*args)]
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        self.seen.clear()
+        return True
+
     def metrics(self) -> list[Any]:
         """LLM.get_metrics(): the two prefix-cache counters, one engine."""
         return [types.SimpleNamespace(name="vllm:prefix_cache_queries", value=self.cache_queries),
@@ -148,6 +166,12 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
 
         def get_metrics(self) -> list[Any]:
             return state.metrics()
+
+        def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+            return state.collective_rpc(method, args)
+
+        def reset_prefix_cache(self) -> bool:
+            return state.reset_prefix_cache()
 
     vllm.LLM = LLM
     vllm.SamplingParams = lambda **kw: types.SimpleNamespace(**kw)
@@ -217,6 +241,11 @@ def test_config_selects_engine_with_skyrl_alias() -> None:
     assert apply_overrides(RunConfig(), ["generator.backend=vllm"]).generator.engine == "vllm"
     with pytest.raises(ConfigError, match=r"generator\.engine.*'transformers', 'vllm'"):
         apply_overrides(RunConfig(), ["generator.engine=sglang"])
+    merged = apply_overrides(RunConfig(), ["generator.engine=vllm", "generator.vllm_lora=merged"])
+    assert session_spec(merged, "/tmp/w").engine.vllm_lora == "merged"
+    assert RunConfig().generator.vllm_lora == "adapter"
+    with pytest.raises(ConfigError, match=r"generator\.vllm_lora='merge'.*'adapter', 'merged'"):
+        apply_overrides(RunConfig(), ["generator.vllm_lora=merge"])
 
 
 def test_default_engine_is_transformers(tiny, tmp_path: Path) -> None:
@@ -286,6 +315,11 @@ def test_prompt_keeps_stream_tokens_and_images_in_order(tiny) -> None:
     for pil, image in zip(sent, stream.images):
         assert np.array_equal(np.asarray(pil), image.image_HW3)
     assert not np.array_equal(np.asarray(sent[0]), np.asarray(sent[1]))  # the agent moved
+    # each image's content id: vLLM's cache key instead of hashing the pixels every turn
+    ids_N = prompt["multi_modal_uuids"]["image"]
+    assert len(ids_N) == 2 and ids_N[0] != ids_N[1]
+    same = tuple(type(i)(i.pixel_values, i.grid_thw, i.image_HW3.copy()) for i in stream.images)
+    assert vllm_prompt(replace(stream, images=same))["multi_modal_uuids"]["image"] == ids_N
 
 
 def test_prompt_needs_the_raw_image(tiny) -> None:
@@ -384,6 +418,66 @@ def test_ray_sampler_engine_installs_versions_as_adapters(fake_vllm: FakeVLLM, t
     assert (Path(lora.lora_path) / "adapter_model.safetensors").is_file()
 
 
+def _pushed(fake_vllm: FakeVLLM, start: int) -> dict[str, torch.Tensor]:
+    """The merged weights vLLM was sent from push chunk `start` on, by name."""
+    return {name: t for chunk in fake_vllm.loaded[start:] for name, t in chunk}
+
+
+def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                           tmp_path: Path, tiny) -> None:
+    """generator.vllm_lora=merged: vLLM is built without LoRA, with our worker extension. Each
+    weights version reaches its weights as W + scale * B @ A under the checkpoint's own names
+    (what vLLM's load_weights maps onto its fused q/k/v and gate/up), the prefix cache is then
+    dropped, and requests carry no LoRARequest. An older client's version is merged again."""
+    from safetensors.torch import load_file
+
+    session = create_session(SessionSpec(
+        str(tiny_dir), LORA, workdir=str(tmp_path / "m"), dtype="bfloat16",
+        engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged")))
+    try:
+        kwargs = fake_vllm.llm_kwargs[-1]
+        assert kwargs["worker_extension_cls"] == "workbench.policy.vllm_merged.MergedWeightsWorker"
+        assert not {"enable_lora", "max_lora_rank", "max_loras"} & kwargs.keys()
+        model, tc = session.host.lm.model, session.training_client
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # a non-zero B: the merged weight differs from the base
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
+        v0 = tc.save_weights_and_get_sampling_client()
+        sent0 = _pushed(fake_vllm, 0)
+        checkpoint = load_file(str(tiny_dir / "model.safetensors"))
+        linears = {n: m for n, m in model.named_modules()
+                   if hasattr(m, "lora_A") and hasattr(m, "base_layer")}
+        assert len(sent0) == len(linears) == 7 * model.config.text_config.num_hidden_layers
+        for name, module in linears.items():
+            key = name.removeprefix("base_model.model.") + ".weight"
+            W = module.base_layer.weight.detach()
+            assert torch.equal(checkpoint[key].to(W.dtype), W)  # the checkpoint's own name
+            A, B = module.lora_A["default"].weight.float(), module.lora_B["default"].weight.float()
+            want = W.float() + module.scaling["default"] * (B @ A)
+            torch.testing.assert_close(sent0[key].float(), want, rtol=2**-8, atol=1e-6)
+            assert sent0[key].dtype == torch.bfloat16 and not torch.equal(sent0[key], W)
+        assert fake_vllm.resets == 1
+        prompt, fmt = _two_turn_stream(tiny), chat_format(tiny.processor)
+        [c] = v0.sample(prompt, 1, SamplingParams(max_tokens=3), seed=5).result().sequences
+        assert fake_vllm.calls[-1]["lora"] is None  # no LoRA kernels: the weights are merged
+        tc.forward_backward([datum_from_stream(append_reply(prompt, fmt, c.tokens, c.logprobs),
+                                               1.0)], "importance_sampling")
+        tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+        pushes = len(fake_vllm.loaded)
+        tc.save_weights_and_get_sampling_client().sample(prompt, 1, SamplingParams()).result()
+        sent1 = _pushed(fake_vllm, pushes)
+        assert sent1.keys() == sent0.keys() and fake_vllm.resets == 2
+        assert any(not torch.equal(sent1[k], sent0[k]) for k in sent0)  # v1's weights
+        pushes = len(fake_vllm.loaded)
+        v0.sample(prompt, 1, SamplingParams()).result()  # the old client: v0 merged again
+        assert all(torch.equal(t, sent0[k]) for k, t in _pushed(fake_vllm, pushes).items())
+        assert fake_vllm.resets == 3
+    finally:
+        session.close()
+
+
 def test_completion_without_stop_is_length() -> None:
     out = FakeOutput([5, 6], [{5: types.SimpleNamespace(logprob=-1.0)},
                               {6: types.SimpleNamespace(logprob=-2.0)}], "length")
@@ -439,8 +533,10 @@ def test_prefix_cache_hits_are_reported_per_step(vllm_session: Session, fake_vll
     assert step1["vllm/prefix_cache_hit_rate"] == pytest.approx(
         fake_vllm.cache_hits / fake_vllm.cache_queries)
     assert step1["vllm/prefix_cache_hit_rate"] > 0.6  # 3 turns of 4 rows: most tokens reused
+    assert step1["vllm/generate_s"] > 0.0  # 3 generate calls, timed
     assert vllm_session.speed_metrics().result() == {  # nothing ran since: nothing queried
-        "vllm/prefix_cache_queried_tokens": 0.0, "vllm/prefix_cache_hit_rate": 0.0}
+        "vllm/prefix_cache_queried_tokens": 0.0, "vllm/prefix_cache_hit_rate": 0.0,
+        "vllm/generate_s": 0.0}
 
 
 # ------------------------------------------------------------------ real vLLM (GPU only)
@@ -456,12 +552,14 @@ def _real_vllm() -> bool:
 
 @pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (on the H200: vLLM 0.26.0 "
                     "from shared/gpu/gpu_site.tar.xz)")
-def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("vllm_lora", ["adapter", "merged"])
+def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path, vllm_lora: str) -> None:
     """On a GPU with vllm: a rollout through vLLM, then the trainer re-scores the sampled tokens;
     the sampler's log-probs must agree (the request glue and the logprobs_mode are right)."""
     session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
                                          device="cuda", dtype="bfloat16",
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                                               vllm_lora=vllm_lora)))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
         episodes = sampler.play(play_episodes, SMALL, eval_set(5, 2), 2,
@@ -480,13 +578,17 @@ def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path) -> None:
 
 @pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (on the H200: vLLM 0.26.0 "
                     "from shared/gpu/gpu_site.tar.xz)")
-def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, tiny) -> None:
+@pytest.mark.parametrize("vllm_lora", ["adapter", "merged"])
+def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, tiny,
+                                               vllm_lora: str) -> None:
     """A step of cross-entropy on v0's own samples makes v1: the trainer's log-probs of those
     replies rise, and vLLM's next-token log-probs match the trainer's of the version each client
-    pins (v1 for the new client, still v0 for the old one) within bf16 rounding."""
+    pins (v1 for the new client, still v0 for the old one) within bf16 rounding: as a LoRA
+    adapter, or merged into vLLM's weights (the old client's version merged again)."""
     session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
                                          device="cuda", dtype="bfloat16",
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                                               vllm_lora=vllm_lora)))
     try:
         tc, fmt = session.training_client, chat_format(tiny.processor)
         prompt = _two_turn_stream(tiny)

@@ -119,6 +119,11 @@ class GeneratorConfig:
     engine: str = "transformers"
     """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
     the vllm package; prefix caching, LoRA adapters loaded by version). SkyRL: generator.backend."""
+    vllm_lora: str = "adapter"
+    """How the vllm engine samples a LoRA weights version: adapter (a PEFT folder per version,
+    vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
+    without LoRA; each version merged into its own weights, W + scale * B @ A in bf16, sent over
+    CUDA IPC: no LoRA cost, one version at a time; workbench/policy/vllm_merged.py)."""
     cuda_graphs: bool = True
     """On a CUDA device, in-process: decode steps replayed as CUDA graphs over a KV pool sized
     for the rollout, with grouped-query decode attention (workbench/session/gpu.py). Ignored on
@@ -348,6 +353,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.resume_mode": ("latest", "none", "from_path"),
     "trainer.strategy": ("ddp", "fsdp"),
     "generator.engine": tuple(ENGINES),
+    "generator.vllm_lora": ("adapter", "merged"),
 }
 """Keys with a fixed set of values; those of a registry are read from it (grammars, rewards,
 observations, losses, reductions, advantage estimators, sampler engines)."""
@@ -533,14 +539,15 @@ PRESETS: dict[str, RunConfig] = {
         lora=LoraConfig(rank=32, alpha=64, vision=False),
         env=EnvConfig(size=9, px_per_cell=25, grammar="tuple", reward="stop_on_goal",
                       format_weight=0.2),
-        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md): vLLM samples
-        # (rollout 9.2 s against 12.0 s for our compiled CUDA-graph decode, decode step 6.6 ms
-        # against 8.3 ms at batch 64; side_by_side.py) in a 0.3 share beside the trainer (peak
-        # 72 GB): bf16 LoRA, compiled layers, no checkpointing at 4 episodes a call (run 8).
-        # generator.engine=transformers keeps our engine (compiled fused decode, CUDA graphs).
+        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md, issue 16): vLLM
+        # samples with the adapter merged into its weights (rollout 7.6 s against 11.9 s with
+        # its LoRA kernels on the same day, and 12.0 s for our compiled CUDA-graph decode;
+        # side_by_side.py) in a 0.3 share beside the trainer (peak 72 GB): bf16 LoRA, compiled
+        # layers, no checkpointing at 4 episodes a call (run 8). generator.engine=transformers
+        # keeps our engine (compiled fused decode, CUDA graphs).
         generator=GeneratorConfig(n_samples_per_prompt=8, max_turns=15, temperature=0.7,
                                   max_tokens=32, gpu_memory_utilization=0.3, engine="vllm",
-                                  compile_decode=True),
+                                  vllm_lora="merged", compile_decode=True),
         trainer=TrainerConfig(total_steps=100, train_batch_size=8, learning_rate=1e-5,
                               ckpt_interval=20, hf_save_interval=20, eval_interval=10,
                               minibatch=4, gradient_checkpointing=False, loss_tokens_only=True,

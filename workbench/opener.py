@@ -61,7 +61,7 @@ def session_spec(config: RunConfig, workdir: str | Path, full_finetune: bool = F
         lora=None if full_finetune else config.lora.settings,
         workdir=str(workdir), dtype=config.model.dtype, device=config.model.device,
         engine=EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns,
-                              max_model_len=g.max_model_len),
+                              max_model_len=g.max_model_len, vllm_lora=g.vllm_lora),
         speed=speed_settings(config), cluster=cluster_spec(config))
 
 

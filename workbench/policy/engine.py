@@ -48,6 +48,7 @@ class EngineSettings:
     max_images: int = 16  # images per prompt vLLM makes room for (one per turn: max_turns)
     max_model_len: int = 0  # vLLM's context in tokens (0: the model's own, at most 16384)
     seed: int = 0  # vLLM's engine seed (each request also gets a seed from the rollout's generator)
+    vllm_lora: str = "adapter"  # adapter | merged: vLLM's LoRA versions (generator.vllm_lora)
 
 
 class Rows(Protocol):

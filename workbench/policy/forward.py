@@ -47,12 +47,19 @@ def core_model(model: Any) -> Any:
     return base.model
 
 
+TRAIN_LENGTH_MULTIPLE = 8
+"""Training batches are right-padded to a multiple of 8 tokens: the compiled decoder layers
+(session/gpu.py) specialise on whether the length is a multiple of 8, and would otherwise compile
+twice (about 30 s each at 8B) as step lengths come and go."""
+
+
 def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool,
-               distinct_images: bool = False) -> Batch:
-    """Pad streams to one batch (left padding for sampling, right for training); with
-    `distinct_images`, equal images (same pixels) are encoded once (see the module docstring)."""
+               distinct_images: bool = False, multiple: int = 1) -> Batch:
+    """Pad streams to one batch (left padding for sampling, right for training) of a length that
+    is a multiple of `multiple`; with `distinct_images`, equal images (same pixels) are encoded
+    once (see the module docstring)."""
     lengths = [len(s) for s in streams]
-    L = max(lengths)
+    L = -(-max(lengths) // multiple) * multiple
     ids = torch.full((len(streams), L), pad_id, dtype=torch.long)
     mask = torch.zeros((len(streams), L), dtype=torch.long)
     types = torch.zeros((len(streams), L), dtype=torch.long)
@@ -162,7 +169,8 @@ def token_logprobs(
     0 (log-prob and entropy). With a 151936-word vocabulary that is most of the memory of a
     training step: the reply tokens are a few percent of an episode.
     """
-    batch = make_batch(model, streams, pad_id, left=False, distinct_images=True)
+    batch = make_batch(model, streams, pad_id, left=False, distinct_images=True,
+                       multiple=TRAIN_LENGTH_MULTIPLE)
     # Right padding + causal attention: real tokens never see the pads, so no mask is needed,
     # and SDPA takes its fused causal kernel (identical values on real tokens, ~25% faster).
     batch.attention_mask_BL = None

@@ -24,7 +24,9 @@ image processor counting a different number of image tokens than ours) raises ra
 letting the update go silently off-policy.
 
 Prefix caching is shown, not assumed: `cache_metrics()` (logged each step as
-`vllm/prefix_cache_hit_rate` through the host's speed metrics) reads vLLM's own counters.
+`vllm/prefix_cache_hit_rate` through the host's speed metrics) reads vLLM's own counters. It also
+gives `vllm/generate_s`, the seconds spent inside `LLM.generate` since the last call: a rollout's
+time minus that is the workbench's own (environment, prompts, parsing).
 
 Tested with vLLM 0.26.0 (torch 2.11, CUDA 13) on one H200: tests/test_vllm_engine.py's real-vLLM
 tests (skipped without vllm and CUDA); on the CPU the same glue runs against a recording fake
@@ -33,8 +35,10 @@ tests (skipped without vllm and CUDA); on the CPU the same glue runs against a r
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -46,6 +50,7 @@ from workbench.deps import require
 from workbench.policy.engine import EngineSettings
 from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
+from workbench.policy.vllm_merged import WORKER_EXTENSION, push_merged
 
 INSTALL_HINT = (
     "generator.engine=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
@@ -91,15 +96,25 @@ def _pil(image: VisionInput) -> Any:
     return Image.fromarray(image.image_HW3)
 
 
+def image_uuid(image: VisionInput) -> str:
+    """A content id of the image (its pixels and shape): vLLM's cache key for it, so vLLM need
+    not hash the pixels of every image of every prompt again each turn."""
+    pixels = _pil(image)  # the RGB array, or the error that says it is missing
+    return hashlib.sha1(pixels.tobytes() + str(pixels.size).encode()).hexdigest()
+
+
 def vllm_prompt(stream: Stream, pil_cache: dict[int, Any] | None = None) -> dict[str, Any]:
-    """vLLM's TokensPrompt (a TypedDict: a plain dict) for one stream."""
+    """vLLM's TokensPrompt (a TypedDict: a plain dict) for one stream: its tokens, and its images
+    with their content ids (`multi_modal_uuids`). `pil_cache` keeps each image's PIL copy and id
+    across turns (keyed by object: an image is converted and hashed once)."""
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids(stream)}
     if stream.images:
         cache = {} if pil_cache is None else pil_cache
         for image in stream.images:
-            if cache.get(id(image), (None,))[0] is not image:
-                cache[id(image)] = (image, _pil(image))  # the image is kept: its id stays its own
+            if cache.get(id(image), (None,))[0] is not image:  # kept: its id stays its own
+                cache[id(image)] = (image, _pil(image), image_uuid(image))
         prompt["multi_modal_data"] = {"image": [cache[id(image)][1] for image in stream.images]}
+        prompt["multi_modal_uuids"] = {"image": [cache[id(image)][2] for image in stream.images]}
     return prompt
 
 
@@ -198,12 +213,16 @@ def check_memory_share(share: float, free_bytes: int, total_bytes: int) -> None:
 
 def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
                   dtype: str, max_model_len: int) -> dict[str, Any]:
-    """Keyword arguments of vllm.LLM for a LoRA sampler of `model_path`."""
+    """Keyword arguments of vllm.LLM for a LoRA sampler of `model_path`: with LoRA kernels
+    (vllm_lora=adapter) or without, the worker taking merged weights (vllm_lora=merged)."""
+    lora: dict[str, Any] = (
+        {"worker_extension_cls": WORKER_EXTENSION} if settings.vllm_lora == "merged" else
+        {"enable_lora": True, "max_lora_rank": max_lora_rank(lora_rank), "max_loras": 1})
     return dict(
         model=model_path, tokenizer=model_path, dtype=dtype, seed=settings.seed,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=True,  # multi-turn prefixes and the G rows of a maze are reused
-        enable_lora=True, max_lora_rank=max_lora_rank(lora_rank), max_loras=1,
+        **lora,
         max_model_len=max_model_len,
         limit_mm_per_prompt={"image": settings.max_images},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
@@ -256,7 +275,11 @@ class VLLMEngine:
         self.fmt = chat_format(lm.processor)
         self.adapter_root = Path(adapter_root)
         self.version: int | None = None  # None: the base model, no adapter
+        self.merged = settings.vllm_lora == "merged"
+        self.merged_version: int | None = None  # the version in vLLM's weights (merged only)
+        self.model: Any = None  # the peft model whose versions are merged (merged only)
         self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
+        self.generate_s = 0.0  # seconds inside LLM.generate since the last cache_metrics()
         dtype = str(lm.model.dtype).removeprefix("torch.")
         length = checked_max_len(settings, dtype, model_max_len(lm.model.config))
         if torch.cuda.is_available():
@@ -268,11 +291,30 @@ class VLLMEngine:
         return self.adapter_root / f"v{version}"
 
     def add_version(self, version: int, model: Any) -> None:
-        """Export the peft model's adapter (adapter_config.json + adapter_model.safetensors)."""
+        """adapter: export the peft model's adapter (adapter_config.json +
+        adapter_model.safetensors). merged: merge it into vLLM's weights now (the model holds
+        this version: the next rollout samples it)."""
+        if self.merged:
+            self.model = model
+            self._push(version)
+            return
         model.save_pretrained(str(self.adapter_folder(version)))
 
+    def _push(self, version: int) -> None:
+        push_merged(self.llm, self.model)
+        self.merged_version = version
+
     def use_version(self, version: int) -> None:
-        """Sample with version `version`'s adapter from now on."""
+        """Sample with version `version` from now on: its adapter, or (merged) its weights,
+        merged again if vLLM holds another version (the host has loaded this one's)."""
+        if self.merged:
+            if self.model is None:
+                raise FileNotFoundError(f"sampler version {version} was never added "
+                                        "(add_version was not called)")
+            if version != self.merged_version:
+                self._push(version)
+            self.version = version
+            return
         if not (self.adapter_folder(version) / "adapter_config.json").is_file():
             raise FileNotFoundError(f"no adapter for sampler version {version} in "
                                     f"{self.adapter_root} (add_version was not called)")
@@ -285,13 +327,15 @@ class VLLMEngine:
     def cache_metrics(self) -> dict[str, float]:
         """`vllm/*`: prompt tokens looked up in the prefix cache since the last call, and the
         share found there (each turn resends the whole stream: all but its new tokens should
-        hit)."""
+        hit), and the seconds spent inside vLLM's generate."""
         metrics = self.llm.get_metrics()
         seen = (counter_total(metrics, PREFIX_QUERIES), counter_total(metrics, PREFIX_HITS))
         queries, hits = seen[0] - self.cache_seen[0], seen[1] - self.cache_seen[1]
         self.cache_seen = seen
+        generate_s, self.generate_s = self.generate_s, 0.0
         return {"vllm/prefix_cache_queried_tokens": float(queries),
-                "vllm/prefix_cache_hit_rate": hits / queries if queries else 0.0}
+                "vllm/prefix_cache_hit_rate": hits / queries if queries else 0.0,
+                "vllm/generate_s": generate_s}
 
     def open(self, prompts_P: list[Stream], n: int) -> VLLMRows:
         """Rows p * n + g = prompt p (prefix caching shares its prefill among the n)."""
@@ -304,9 +348,11 @@ class VLLMEngine:
         prompts_B = [vllm_prompt(s, pil_cache) for s in streams_B]
         params_B = [sampling_params(self.vllm, params, self.fmt, seed)
                     for seed in row_seeds(len(streams_B), generator)]
-        lora = None if self.version is None else \
+        lora = None if self.version is None or self.merged else \
             lora_request(self.lora_cls, self.version, self.adapter_folder(self.version))
+        start = time.perf_counter()
         outputs_B = self.llm.generate(prompts_B, params_B, lora_request=lora, use_tqdm=False)
+        self.generate_s += time.perf_counter() - start
         for out, stream in zip(outputs_B, streams_B):
             check_prompt(out.prompt_token_ids, stream)
         return [to_completion(out.outputs[0], self.fmt) for out in outputs_B]

@@ -57,11 +57,15 @@ def compile_for_training(model: Any) -> None:
     """torch.compile each text decoder layer for the update (grad enabled): inductor fuses the
     elementwise work around the matmuls (fp32 RMSNorms, rotary, SiLU x up, residuals, the LoRA
     epilogue) forward and backward, and its partitioner recomputes cheap ops instead of saving
-    them. Calls without grad (the sampler's prefill, `forward`) stay eager. Shapes are dynamic:
-    one compilation serves every layer and sequence length. Idempotent."""
+    them. Calls without grad (the sampler's prefill, `forward`) stay eager. Shapes are dynamic,
+    and every layer's input requires grad (the embeddings' output is made to, as for
+    checkpointing; the first layer would otherwise see a frozen input and compile apart): one
+    compilation serves every layer and sequence length (a multiple of 8: forward.make_batch).
+    Idempotent."""
     import torch
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base.enable_input_require_grads()
     for layer in base.model.language_model.layers:
         if getattr(layer, "compiled_for_training", False):
             continue

@@ -1,0 +1,141 @@
+"""vLLM sampling with the LoRA adapter merged into vLLM's weights (`generator.vllm_lora=merged`).
+
+With `adapter` (the default) vLLM runs its LoRA kernels beside every projection, and each weights
+version reaches it as a PEFT folder. With `merged`, vLLM is built without LoRA, and each weights
+version is pushed into its copy of the text weights as W + scale * B @ A: the same projections
+the base model runs, no LoRA kernels in the decode or prefill. On one H200 at the seed's shape
+that is vLLM's own loop without its LoRA cost (benchmarks/RESULTS.md, issue 16).
+
+How a version travels (same GPU, vLLM's engine in its own process, as vLLM runs by default):
+1. `merged_weights(model)`: for every LoRA linear of the peft model, its HF checkpoint name and
+   its merged weight (policy.fused.merged_weight: float32 sum, rounded once to bf16);
+2. `share(chunk)`: each tensor as a CUDA IPC handle (CPU tensors travel by value);
+3. `llm.collective_rpc("load_shared_weights", args=(payload,))`: `MergedWeightsWorker`, which
+   vLLM mixes into its GPU worker (`worker_extension_cls`), opens the handles and calls the
+   model's own `load_weights`, which copies them into vLLM's fused q/k/v and gate/up weights in
+   place (its CUDA graphs keep their pointers);
+4. `llm.reset_prefix_cache()`: KV cached under the old weights is never reused.
+The merged tensors are made and sent a chunk of layers at a time, so the extra memory is one
+chunk (`CHUNK_BYTES`), not a second copy of the model.
+
+vLLM holds one merged version at a time: sampling an older version (an old SamplingClient)
+merges it again from the weights the host has loaded for it.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from workbench.policy.fused import merged_weight
+
+WORKER_EXTENSION = "workbench.policy.vllm_merged.MergedWeightsWorker"
+"""vllm.LLM(worker_extension_cls=...): the class vLLM mixes into its GPU worker."""
+
+CHUNK_BYTES = 1 << 30
+"""Merged weights made and sent per collective_rpc call (about 2 decoder layers at 8B)."""
+
+
+def hf_name(module_name: str) -> str:
+    """The HF checkpoint name of a peft-wrapped linear's weight (what vLLM's load_weights takes):
+    'base_model.model.model.language_model.layers.0.self_attn.q_proj' ->
+    'model.language_model.layers.0.self_attn.q_proj.weight'."""
+    return module_name.removeprefix("base_model.model.") + ".weight"
+
+
+def lora_linears(model: Any) -> Iterator[tuple[str, Any]]:
+    """(HF weight name, module) for every linear that carries a LoRA adapter."""
+    for name, module in model.named_modules():
+        if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
+            yield hf_name(name), module
+
+
+def merged_weights(model: Any, chunk_bytes: int = CHUNK_BYTES
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The model's LoRA linears merged (W + scale * B @ A, bf16), in chunks of about
+    `chunk_bytes`: each chunk a list of (HF weight name, tensor)."""
+    chunk: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    with torch.no_grad():
+        for name, module in lora_linears(model):
+            weight = merged_weight(module)
+            chunk.append((name, weight))
+            size += weight.numel() * weight.element_size()
+            if size >= chunk_bytes:
+                yield chunk
+                chunk, size = [], 0
+    if chunk:
+        yield chunk
+
+
+def share(chunk: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A chunk as bytes another process on the same GPU opens without a copy: CUDA tensors as
+    IPC handles (torch.multiprocessing's), CPU tensors by value. The sender keeps the tensors
+    alive until the receiver has loaded them."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    items = []
+    for name, tensor in chunk:
+        if tensor.is_cuda:
+            items.append((name, "ipc", reduce_tensor(tensor.contiguous())[1]))
+        else:
+            items.append((name, "value", tensor))
+    return pickle.dumps((os.getpid(), items))
+
+
+def open_shared(payload: bytes, device: torch.device) -> list[tuple[str, torch.Tensor]]:
+    """The receiving side of `share`: (name, tensor) on `device`."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    sender, items = pickle.loads(payload)  # noqa: S301 - from our own process, same machine
+    if sender == os.getpid() and any(kind == "ipc" for _, kind, _ in items):
+        raise RuntimeError("generator.vllm_lora=merged sends weights to vLLM's engine process by "
+                           "CUDA IPC, but vLLM runs in this process (VLLM_ENABLE_V1_"
+                           "MULTIPROCESSING=0?): leave vLLM's multiprocessing on, or use "
+                           "generator.vllm_lora=adapter")
+    out = []
+    for name, kind, data in items:
+        if kind == "ipc":
+            args = list(data)
+            args[6] = device.index  # the device index inside this process
+            out.append((name, rebuild_cuda_tensor(*args)))
+        else:
+            out.append((name, data.to(device)))
+    return out
+
+
+class MergedWeightsWorker:
+    """Mixed into vLLM's GPU worker by `worker_extension_cls`: loads shared merged weights."""
+
+    device: torch.device
+    model_runner: Any
+
+    def load_shared_weights(self, payload: bytes) -> int:
+        """Load a `share`d chunk into the model's weights in place; returns how many tensors."""
+        weights = open_shared(payload, self.device)
+        self.model_runner.get_model().load_weights(weights)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # copied before the sender frees its tensors
+        return len(weights)
+
+
+def push_merged(llm: Any, model: Any, chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Merge the model's LoRA into vLLM's weights, chunk by chunk; then drop vLLM's prefix cache
+    (its KV was computed with the old weights). Returns the number of tensors loaded."""
+    loaded = 0
+    for chunk in merged_weights(model, chunk_bytes):
+        counts = llm.collective_rpc("load_shared_weights", args=(share(chunk),))
+        if any(n != len(chunk) for n in counts):
+            raise RuntimeError(f"vLLM loaded {counts} of {len(chunk)} merged weights")
+        loaded += len(chunk)
+        del chunk
+    if torch.cuda.is_available():
+        torch.cuda.ipc_collect()
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM could not reset its prefix cache after new weights (requests "
+                           "still running?); its cached KV would be from the old weights")
+    return loaded
