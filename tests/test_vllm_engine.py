@@ -98,6 +98,7 @@ class FakeVLLM:
     cache_queries: int = 0  # prefix-cache counters as vLLM counts them (token granularity here)
     cache_hits: int = 0
     loaded: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)  # merged pushes
+    payloads: list[type] = field(default_factory=list)  # bytes (shared) or list (in-process)
     resets: int = 0  # reset_prefix_cache() calls
 
     def logprob(self, call: int, position: int) -> float:
@@ -134,6 +135,7 @@ class FakeVLLM:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """LLM.collective_rpc on one worker: the worker extension named in LLM(...) (our real
         MergedWeightsWorker class) on the CPU, its model's load_weights recorded."""
+        self.payloads.append(type(args[0]))
         path = self.llm_kwargs[-1]["worker_extension_cls"]
         module, name = path.rsplit(".", 1)
         worker = getattr(__import__(module, fromlist=[name]), name)()
@@ -424,13 +426,15 @@ def _pushed(fake_vllm: FakeVLLM, start: int) -> dict[str, torch.Tensor]:
 
 
 def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, tiny_dir: Path,
-                                                           tmp_path: Path, tiny) -> None:
+                                                           tmp_path: Path, tiny,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """generator.vllm_lora=merged: vLLM is built without LoRA, with our worker extension. Each
     weights version reaches its weights as W + scale * B @ A under the checkpoint's own names
     (what vLLM's load_weights maps onto its fused q/k/v and gate/up), the prefix cache is then
     dropped, and requests carry no LoRARequest. An older client's version is merged again."""
     from safetensors.torch import load_file
 
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: its own process
     session = create_session(SessionSpec(
         str(tiny_dir), LORA, workdir=str(tmp_path / "m"), dtype="bfloat16",
         engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged")))
@@ -459,6 +463,7 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
             torch.testing.assert_close(sent0[key].float(), want, rtol=2**-8, atol=1e-6)
             assert sent0[key].dtype == torch.bfloat16 and not torch.equal(sent0[key], W)
         assert fake_vllm.resets == 1
+        assert set(fake_vllm.payloads) == {bytes}  # vLLM's own process: shared (`share`)
         prompt, fmt = _two_turn_stream(tiny), chat_format(tiny.processor)
         [c] = v0.sample(prompt, 1, SamplingParams(max_tokens=3), seed=5).result().sequences
         assert fake_vllm.calls[-1]["lora"] is None  # no LoRA kernels: the weights are merged
@@ -476,6 +481,39 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         assert fake_vllm.resets == 3
     finally:
         session.close()
+
+
+def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                       tmp_path: Path, tiny,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a Ray engine actor vLLM runs in the actor's process (VLLM_ENABLE_V1_MULTIPROCESSING=0),
+    where CUDA IPC cannot work: a merged version goes to vLLM's worker as the tensors themselves,
+    and what it loads equals the trainer's merge."""
+    from workbench.cluster.workers import SamplerEngine
+    from workbench.policy.fused import merged_weight
+    from workbench.session.host import snapshot
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    actor = SamplerEngine(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "e"),
+                                      dtype="bfloat16",
+                                      engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                                            vllm_lora="merged")))
+    weights = snapshot(actor.host)
+    for name, t in weights.items():  # a version whose adapter does something
+        if "lora_B" in name:
+            weights[name] = torch.full_like(t, 0.01)
+    assert actor.install((3, weights)) == 3
+    sent = _pushed(fake_vllm, 0)
+    model = actor.host.lm.model
+    for name, module in model.named_modules():
+        key = name.removeprefix("base_model.model.") + ".weight"
+        if key in sent:
+            assert torch.equal(sent[key], merged_weight(module))
+            assert not torch.equal(sent[key], module.base_layer.weight)
+    assert len(sent) == 7 * model.config.text_config.num_hidden_layers
+    assert fake_vllm.payloads == [list]  # the tensors themselves, not IPC handles
+    actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
+    assert fake_vllm.calls[-1]["lora"] is None and fake_vllm.resets == 1
 
 
 def test_completion_without_stop_is_length() -> None:

@@ -6,10 +6,13 @@ version is pushed into its copy of the text weights as W + scale * B @ A: the sa
 the base model runs, no LoRA kernels in the decode or prefill. On one H200 at the seed's shape
 that is vLLM's own loop without its LoRA cost (benchmarks/RESULTS.md, issue 16).
 
-How a version travels (same GPU, vLLM's engine in its own process, as vLLM runs by default):
+How a version travels (same GPU):
 1. `merged_weights(model)`: for every LoRA linear of the peft model, its HF checkpoint name and
    its merged weight (policy.fused.merged_weight: float32 sum, rounded once to bf16);
-2. `share(chunk)`: each tensor as a CUDA IPC handle (CPU tensors travel by value);
+2. `share(chunk)`: each tensor as a CUDA IPC handle (CPU tensors travel by value), when vLLM's
+   engine runs in its own process (vLLM's default); the tensors themselves when it runs in this
+   one (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as in the Ray engine actors: its calls are not
+   serialised, and CUDA IPC cannot open a handle in the process that made it);
 3. `llm.collective_rpc("load_shared_weights", args=(payload,))`: `MergedWeightsWorker`, which
    vLLM mixes into its GPU worker (`worker_extension_cls`), opens the handles and calls the
    model's own `load_weights`, which copies them into vLLM's fused q/k/v and gate/up weights in
@@ -80,11 +83,18 @@ def share(chunk: list[tuple[str, torch.Tensor]]) -> bytes:
 
     items = []
     for name, tensor in chunk:
+        if not tensor.is_contiguous():  # .contiguous() would share a copy freed on return
+            raise ValueError(f"share: {name} is not contiguous")
         if tensor.is_cuda:
-            items.append((name, "ipc", reduce_tensor(tensor.contiguous())[1]))
+            items.append((name, "ipc", reduce_tensor(tensor)[1]))
         else:
             items.append((name, "value", tensor))
     return pickle.dumps((os.getpid(), items))
+
+
+def engine_in_process() -> bool:
+    """Whether vLLM runs its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1").strip().lower() in ("0", "false")
 
 
 def open_shared(payload: bytes, device: torch.device) -> list[tuple[str, torch.Tensor]]:
@@ -93,10 +103,9 @@ def open_shared(payload: bytes, device: torch.device) -> list[tuple[str, torch.T
 
     sender, items = pickle.loads(payload)  # noqa: S301 - from our own process, same machine
     if sender == os.getpid() and any(kind == "ipc" for _, kind, _ in items):
-        raise RuntimeError("generator.vllm_lora=merged sends weights to vLLM's engine process by "
-                           "CUDA IPC, but vLLM runs in this process (VLLM_ENABLE_V1_"
-                           "MULTIPROCESSING=0?): leave vLLM's multiprocessing on, or use "
-                           "generator.vllm_lora=adapter")
+        raise RuntimeError("CUDA IPC handles cannot be opened in the process that made them: "
+                           "with vLLM's engine in this process (VLLM_ENABLE_V1_MULTIPROCESSING="
+                           "0), push_merged sends the tensors themselves")
     out = []
     for name, kind, data in items:
         if kind == "ipc":
@@ -114,9 +123,10 @@ class MergedWeightsWorker:
     device: torch.device
     model_runner: Any
 
-    def load_shared_weights(self, payload: bytes) -> int:
-        """Load a `share`d chunk into the model's weights in place; returns how many tensors."""
-        weights = open_shared(payload, self.device)
+    def load_shared_weights(self, payload: bytes | list[tuple[str, torch.Tensor]]) -> int:
+        """Load a chunk into the model's weights in place: `share`d bytes, or (engine in this
+        process) the (name, tensor) list itself. Returns how many tensors."""
+        weights = payload if isinstance(payload, list) else open_shared(payload, self.device)
         self.model_runner.get_model().load_weights(weights)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copied before the sender frees its tensors
@@ -126,9 +136,10 @@ class MergedWeightsWorker:
 def push_merged(llm: Any, model: Any, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Merge the model's LoRA into vLLM's weights, chunk by chunk; then drop vLLM's prefix cache
     (its KV was computed with the old weights). Returns the number of tensors loaded."""
-    loaded = 0
+    loaded, in_process = 0, engine_in_process()
     for chunk in merged_weights(model, chunk_bytes):
-        counts = llm.collective_rpc("load_shared_weights", args=(share(chunk),))
+        payload = chunk if in_process else share(chunk)
+        counts = llm.collective_rpc("load_shared_weights", args=(payload,))
         if any(n != len(chunk) for n in counts):
             raise RuntimeError(f"vLLM loaded {counts} of {len(chunk)} merged weights")
         loaded += len(chunk)
