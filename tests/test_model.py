@@ -118,15 +118,17 @@ def test_load_tiny_by_name_uses_cache(tiny_dir: Path, workbench_cache: Path) -> 
 
 
 def test_vision_attention_is_one_call_for_same_size_images(tiny, tiny_dir: Path) -> None:
-    """load_model gives the vision tower one batched attention call for images of one size
-    (model/vision.py); its features equal transformers' image-by-image loop, and mixed sizes
-    take transformers' own path."""
-    from transformers import AutoModelForImageTextToText
+    """batch_vision_attention (a CUDA host's fast path, model/vision.py) gives the vision tower
+    one attention call a layer for images of one size; its features equal transformers'
+    image-by-image loop, mixed sizes take transformers' own path, and on=False restores it."""
+    from workbench.model.vision import batch_vision_attention
 
-    hf = AutoModelForImageTextToText.from_pretrained(str(tiny_dir), attn_implementation="sdpa")
-    blocks = tiny.model.model.visual.blocks
-    assert all(b.attn.batched_images for b in blocks)
+    hf = load_model(str(tiny_dir)).model  # as loaded: transformers' loop
+    batched = load_model(str(tiny_dir))
+    blocks = batched.model.model.visual.blocks
     assert not any(getattr(b.attn, "batched_images", False) for b in hf.model.visual.blocks)
+    assert batch_vision_attention(batched.model) == len(blocks)
+    assert all(b.attn.batched_images for b in blocks)
 
     def images(*configs: MazeConfig) -> list:
         return [encode_image(tiny.processor, MazeEnv(c).reset(seed=s)[0]["image"])
@@ -147,12 +149,15 @@ def test_vision_attention_is_one_call_for_same_size_images(tiny, tiny_dir: Path)
             calls.clear()
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(torch.nn.functional, "scaled_dot_product_attention", counting)
-                got = tiny.model.model.get_image_features(pixels, grid,
-                                                          return_dict=True).pooler_output
+                got = batched.model.model.get_image_features(pixels, grid,
+                                                             return_dict=True).pooler_output
         same_size = len({tuple(im.grid_thw.tolist()) for im in batch}) == 1
         assert len(calls) == len(blocks) * (1 if same_size else len(batch))
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    batch_vision_attention(batched.model, on=False)
+    assert not any(b.attn.batched_images for b in blocks)
+    assert all(b.attn.forward == b.attn.hf_forward for b in blocks)
 
 
 def test_action_words_are_single_tokens(tiny) -> None:

@@ -25,7 +25,6 @@ import torch
 
 from workbench.model.loaded import LoadedModel
 from workbench.model.tiny import TINY_NAME, TINY_SFT_NAME, tiny_path
-from workbench.model.vision import batch_vision_attention
 
 __all__ = ["LoadedModel", "load_model", "resolve_model_path", "weights_hash"]
 
@@ -158,7 +157,6 @@ def load_model(
     if name_or_path in SHAPES:
         lm = build_random(name_or_path, dtype=dtype, device=device)
         lm.model.set_attn_implementation(attn_implementation)
-        batch_vision_attention(lm.model)
         return lm
     from transformers import AutoModelForImageTextToText, AutoProcessor
     from transformers.utils import logging as hf_logging
@@ -169,7 +167,6 @@ def load_model(
         path, dtype=dtype, attn_implementation=attn_implementation
     ).to(device)  # type: ignore[arg-type]  # transformers types .to as @wraps(Module.to): unbound
     processor = AutoProcessor.from_pretrained(path)
-    batch_vision_attention(model)  # one attention call a vision layer (model/vision.py)
     return LoadedModel(model=model.eval(), processor=processor, source=name_or_path, path=path)
 
 

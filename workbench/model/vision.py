@@ -9,7 +9,9 @@ attention calls whose launches keep the GPU waiting (benchmarks/RESULTS.md, issu
 A maze's images all have one size, so the packed sequence is N images x L patches: the same
 attention is one SDPA call over a batch of N. `batch_vision_attention(model)` gives each vision
 attention module that forward; a batch of mixed sizes, or another attention implementation, goes
-through transformers' own forward unchanged.
+through transformers' own forward unchanged. A host on a CUDA device installs it
+(`session.host.make_host`); the CPU keeps transformers' loop, whose rounding the pinned tiny-sft
+build was made with (the two agree to about 1e-6, not bit for bit).
 """
 
 from __future__ import annotations

@@ -48,9 +48,10 @@ def core_model(model: Any) -> Any:
 
 
 TRAIN_LENGTH_MULTIPLE = 8
-"""Training batches are right-padded to a multiple of 8 tokens: the compiled decoder layers
-(session/gpu.py) specialise on whether the length is a multiple of 8, and would otherwise compile
-twice (about 30 s each at 8B) as step lengths come and go."""
+"""With compiled decoder layers (session/gpu.py sets `train_length_multiple` on the model),
+training batches are right-padded to a multiple of 8 tokens: the compiled layers specialise on
+whether the length is a multiple of 8, and would otherwise compile twice (about 30 s each at 8B)
+as step lengths come and go. Eager models keep their exact lengths (and GEMM shapes)."""
 
 
 def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool,
@@ -169,8 +170,9 @@ def token_logprobs(
     0 (log-prob and entropy). With a 151936-word vocabulary that is most of the memory of a
     training step: the reply tokens are a few percent of an episode.
     """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     batch = make_batch(model, streams, pad_id, left=False, distinct_images=True,
-                       multiple=TRAIN_LENGTH_MULTIPLE)
+                       multiple=getattr(base, "train_length_multiple", 1))
     # Right padding + causal attention: real tokens never see the pads, so no mask is needed,
     # and SDPA takes its fused causal kernel (identical values on real tokens, ~25% faster).
     batch.attention_mask_BL = None

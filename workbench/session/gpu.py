@@ -64,8 +64,11 @@ def compile_for_training(model: Any) -> None:
     Idempotent."""
     import torch
 
+    from workbench.policy.forward import TRAIN_LENGTH_MULTIPLE
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.enable_input_require_grads()
+    base.train_length_multiple = TRAIN_LENGTH_MULTIPLE  # forward.token_logprobs pads to it
     for layer in base.model.language_model.layers:
         if getattr(layer, "compiled_for_training", False):
             continue

@@ -27,6 +27,7 @@ import torch
 
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
 from workbench.model.lora import lora_in_model_dtype
+from workbench.model.vision import batch_vision_attention
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.policy.engine import Engine
 from workbench.policy.engines import make_engine
@@ -91,6 +92,8 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> 
         engine=make_engine(spec.engine, lm, spec.lora.rank if spec.lora else None, adapters),
         speed=spec.speed,
     )
+    if lm.model.device.type == "cuda":  # one attention call a vision layer (model/vision.py)
+        batch_vision_attention(lm.model)
     if trainer:
         _trainer_fast_paths(host, spec.speed)
     if sampler and spec.speed.cuda_graphs and spec.engine.name == "transformers" \
