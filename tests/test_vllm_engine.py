@@ -100,6 +100,7 @@ class FakeVLLM:
     loaded: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)  # merged pushes
     payloads: list[type] = field(default_factory=list)  # bytes (shared) or list (in-process)
     resets: int = 0  # reset_prefix_cache() calls
+    encoder_resets: int = 0  # llm_engine.reset_encoder_cache() calls
 
     def logprob(self, call: int, position: int) -> float:
         return -0.125 * (call + 1) - 0.01 * position
@@ -162,6 +163,10 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
     class LLM:
         def __init__(self, **kwargs: Any) -> None:
             state.llm_kwargs.append(kwargs)
+            self.llm_engine = types.SimpleNamespace(reset_encoder_cache=self._encoder_reset)
+
+        def _encoder_reset(self) -> None:
+            state.encoder_resets += 1
 
         def generate(self, *args: Any, **kwargs: Any) -> list[FakeRequestOutput]:
             return state.generate(*args, **kwargs)
@@ -479,6 +484,25 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         v0.sample(prompt, 1, SamplingParams()).result()  # the old client: v0 merged again
         assert all(torch.equal(t, sent0[k]) for k, t in _pushed(fake_vllm, pushes).items())
         assert fake_vllm.resets == 3
+        assert fake_vllm.encoder_resets == 0  # no LoRA on the vision tower: its features stand
+    finally:
+        session.close()
+
+
+def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                       tmp_path: Path) -> None:
+    """With LoRA on the vision tower too, a merged version changes the image features, so vLLM's
+    encoder cache is dropped with its prefix cache."""
+    session = create_session(SessionSpec(
+        str(tiny_dir), LoraSettings(rank=8, alpha=16, vision=True), workdir=str(tmp_path / "v"),
+        dtype="bfloat16",
+        engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged")))
+    try:
+        session.training_client.save_weights_and_get_sampling_client()
+        names = _pushed(fake_vllm, 0).keys()
+        assert any(n.startswith("model.visual.") for n in names)
+        assert any(n.startswith("model.language_model.") for n in names)
+        assert (fake_vllm.resets, fake_vllm.encoder_resets) == (1, 1)
     finally:
         session.close()
 

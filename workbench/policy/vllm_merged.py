@@ -17,7 +17,8 @@ How a version travels (same GPU):
    vLLM mixes into its GPU worker (`worker_extension_cls`), opens the handles and calls the
    model's own `load_weights`, which copies them into vLLM's fused q/k/v and gate/up weights in
    place (its CUDA graphs keep their pointers);
-4. `llm.reset_prefix_cache()`: KV cached under the old weights is never reused.
+4. `llm.reset_prefix_cache()`: KV cached under the old weights is never reused; and with a LoRA
+   on the vision tower (`lora.vision`), vLLM's encoder cache too (the image features).
 The merged tensors are made and sent a chunk of layers at a time, so the extra memory is one
 chunk (`CHUNK_BYTES`), not a second copy of the model.
 
@@ -38,6 +39,9 @@ from workbench.policy.fused import merged_weight
 
 WORKER_EXTENSION = "workbench.policy.vllm_merged.MergedWeightsWorker"
 """vllm.LLM(worker_extension_cls=...): the class vLLM mixes into its GPU worker."""
+
+VISION_PREFIX = "model.visual."
+"""HF names of the vision tower's weights: merged there, vLLM's cached image features go stale."""
 
 CHUNK_BYTES = 1 << 30
 """Merged weights made and sent per collective_rpc call (about 2 decoder layers at 8B)."""
@@ -136,8 +140,9 @@ class MergedWeightsWorker:
 def push_merged(llm: Any, model: Any, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Merge the model's LoRA into vLLM's weights, chunk by chunk; then drop vLLM's prefix cache
     (its KV was computed with the old weights). Returns the number of tensors loaded."""
-    loaded, in_process = 0, engine_in_process()
+    loaded, in_process, vision = 0, engine_in_process(), False
     for chunk in merged_weights(model, chunk_bytes):
+        vision = vision or any(name.startswith(VISION_PREFIX) for name, _ in chunk)
         payload = chunk if in_process else share(chunk)
         counts = llm.collective_rpc("load_shared_weights", args=(payload,))
         if any(n != len(chunk) for n in counts):
@@ -149,4 +154,6 @@ def push_merged(llm: Any, model: Any, chunk_bytes: int = CHUNK_BYTES) -> int:
     if not llm.reset_prefix_cache():
         raise RuntimeError("vLLM could not reset its prefix cache after new weights (requests "
                            "still running?); its cached KV would be from the old weights")
+    if vision:
+        llm.llm_engine.reset_encoder_cache()
     return loaded
