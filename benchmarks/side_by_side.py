@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import statistics
 import sys
@@ -157,7 +156,7 @@ def bench_anchor(engine: Any, host: Any, args: Any, episodes: list[Any],
     (shared/gpu/vllm_8b.py's loop), plus what `variant` adds (ANCHOR_VARIANTS)."""
     from vllm import SamplingParams as VParams
 
-    from workbench.policy.vllm_engine import lora_request, vllm_prompt
+    from workbench.policy.vllm_engine import BAN_BIAS, image_uuid, lora_request, vllm_prompt
 
     tok, fmt = host.lm.processor.tokenizer, host.fmt
     close_ids = [fmt.im_end] + tok.encode("\n", add_special_tokens=False)
@@ -173,9 +172,9 @@ def bench_anchor(engine: Any, host: Any, args: Any, episodes: list[Any],
     lora = None
     if "lora" in variant and engine.version is not None:
         lora = lora_request(engine.lora_cls, engine.version, engine.adapter_folder(engine.version))
-    extra = {"logprobs": 0, "logit_bias": {t: -100.0 for t in fmt.banned}} \
+    extra = {"logprobs": 0, "logit_bias": {t: BAN_BIAS for t in fmt.banned}} \
         if "logprobs" in variant else {}
-    digest = {id(im): hashlib.sha1(im.tobytes()).hexdigest() for row in images for im in row}
+    digest = {id(im): image_uuid(im) for row in images for im in row}  # the rollout's ids
     start = time.perf_counter()
     for k in range(args.turns):
         reqs = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": images[i][:k + 1]}}

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from workbench.policy.forward import base_model
+
 NAME = "sdpa_gqa_decode"
 
 
@@ -57,5 +59,5 @@ def register() -> str:
 
 def use_gqa_decode_attention(model: Any) -> None:
     """Switch a (possibly peft-wrapped) Qwen3-VL's text attention to NAME; vision stays sdpa."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     base.set_attn_implementation({"text_config": register(), "vision_config": "sdpa"})

@@ -41,10 +41,14 @@ class Batch:
     # distinct images: pixel_values/grid hold each once, occurrence n is image image_index_N[n]
 
 
+def base_model(model: Any) -> Any:
+    """The transformers model inside a peft wrapper (the model itself when not wrapped)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def core_model(model: Any) -> Any:
     """The Qwen3VLModel inside a (possibly peft-wrapped) conditional-generation model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.model
+    return base_model(model).model
 
 
 TRAIN_LENGTH_MULTIPLE = 8
@@ -170,9 +174,8 @@ def token_logprobs(
     0 (log-prob and entropy). With a 151936-word vocabulary that is most of the memory of a
     training step: the reply tokens are a few percent of an episode.
     """
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
     batch = make_batch(model, streams, pad_id, left=False, distinct_images=True,
-                       multiple=getattr(base, "train_length_multiple", 1))
+                       multiple=getattr(base_model(model), "train_length_multiple", 1))
     # Right padding + causal attention: real tokens never see the pads, so no mask is needed,
     # and SDPA takes its fused causal kernel (identical values on real tokens, ~25% faster).
     batch.attention_mask_BL = None
@@ -195,7 +198,7 @@ def token_logprobs(
 def _kept_logprobs(model: Any, batch: Batch, keep_B_T: list[list[bool]], temperature: float,
                    banned: tuple[int, ...]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """token_logprobs with the lm_head applied only where keep_B_T is True (position 0 never)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     hidden_BLD = base.model(
         input_ids=batch.input_ids_BL, position_ids=batch.position_ids_3BL,
         mm_token_type_ids=batch.mm_types_BL, use_cache=False, **vision_inputs(model, batch),

@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workbench.policy.forward import base_model
+
 
 @dataclass
 class FusedLayer:
@@ -59,10 +61,6 @@ class FusedWeights:
     kv_heads: int
     eps: float
     version: int | None = None  # the sampler weights version these were merged from
-
-
-def _base(model: Any) -> Any:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def merged_weight(linear: Any) -> torch.Tensor:
@@ -101,7 +99,7 @@ def _layer_tensors(layer: Any) -> dict[str, torch.Tensor]:
 
 def fuse_weights(model: Any, version: int | None = None) -> FusedWeights:
     """The sampler's fused copy of `model`'s text decoder (a Qwen3-VL, peft-wrapped or not)."""
-    base = _base(model)
+    base = base_model(model)
     text = base.model.language_model
     cfg = base.config.text_config
     with torch.no_grad():
@@ -113,7 +111,7 @@ def fuse_weights(model: Any, version: int | None = None) -> FusedWeights:
 
 def refresh(fused: FusedWeights, model: Any, version: int | None) -> None:
     """Re-merge `model`'s current weights into `fused` in place (addresses kept for graphs)."""
-    text = _base(model).model.language_model
+    text = base_model(model).model.language_model
     with torch.no_grad():
         for dst, layer in zip(fused.layers, text.layers):
             for name, tensor in _layer_tensors(layer).items():

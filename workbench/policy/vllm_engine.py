@@ -96,11 +96,10 @@ def _pil(image: VisionInput) -> Any:
     return Image.fromarray(image.image_HW3)
 
 
-def image_uuid(image: VisionInput) -> str:
-    """A content id of the image (its pixels and shape): vLLM's cache key for it, so vLLM need
+def image_uuid(pil: Any) -> str:
+    """A content id of a PIL image (its pixels and size): vLLM's cache key for it, so vLLM need
     not hash the pixels of every image of every prompt again each turn."""
-    pixels = _pil(image)  # the RGB array, or the error that says it is missing
-    return hashlib.sha1(pixels.tobytes() + str(pixels.size).encode()).hexdigest()
+    return hashlib.sha1(pil.tobytes() + str(pil.size).encode()).hexdigest()
 
 
 def vllm_prompt(stream: Stream, pil_cache: dict[int, Any] | None = None) -> dict[str, Any]:
@@ -112,7 +111,8 @@ def vllm_prompt(stream: Stream, pil_cache: dict[int, Any] | None = None) -> dict
         cache = {} if pil_cache is None else pil_cache
         for image in stream.images:
             if cache.get(id(image), (None,))[0] is not image:  # kept: its id stays its own
-                cache[id(image)] = (image, _pil(image), image_uuid(image))
+                pil = _pil(image)
+                cache[id(image)] = (image, pil, image_uuid(pil))
         prompt["multi_modal_data"] = {"image": [cache[id(image)][1] for image in stream.images]}
         prompt["multi_modal_uuids"] = {"image": [cache[id(image)][2] for image in stream.images]}
     return prompt

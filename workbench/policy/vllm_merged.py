@@ -148,7 +148,7 @@ def push_merged(llm: Any, model: Any, chunk_bytes: int = CHUNK_BYTES) -> int:
         if any(n != len(chunk) for n in counts):
             raise RuntimeError(f"vLLM loaded {counts} of {len(chunk)} merged weights")
         loaded += len(chunk)
-        del chunk
+        del chunk, payload  # freed before the next chunk is merged: one chunk in memory
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
     if not llm.reset_prefix_cache():

@@ -64,9 +64,9 @@ def compile_for_training(model: Any) -> None:
     Idempotent."""
     import torch
 
-    from workbench.policy.forward import TRAIN_LENGTH_MULTIPLE
+    from workbench.policy.forward import TRAIN_LENGTH_MULTIPLE, base_model
 
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     base.enable_input_require_grads()
     base.train_length_multiple = TRAIN_LENGTH_MULTIPLE  # forward.token_logprobs pads to it
     for layer in base.model.language_model.layers:
