@@ -83,6 +83,73 @@ def timed(fn, device: torch.device) -> tuple[Any, float]:
     return out, begin.elapsed_time(end) / 1000.0
 
 
+class GpuBusy:
+    """How long the GPU ran kernels of any process (vLLM's engine process too) in a window:
+    NVML's utilization samples (each the share of its sample period in which a kernel ran),
+    read in a thread every 0.5 s so the driver's sample buffer cannot overflow.
+
+        with GpuBusy(device) as busy: work()
+        busy.seconds, busy.pct        # nan when NVML is not there (one line says so)
+    """
+
+    told = False
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.pct, self.seconds = device, float("nan"), float("nan")
+        self.samples: dict[int, int] = {}
+
+    def _nvml(self) -> Any:
+        if self.device.type != "cuda":
+            return None
+        try:
+            from vllm.third_party import pynvml  # vLLM's copy: the GPU machine has no other
+        except ImportError:
+            try:
+                import pynvml  # type: ignore[no-redef]
+            except ImportError:
+                if not GpuBusy.told:
+                    log("GPU busy: no pynvml here, so no busy figures")
+                    GpuBusy.told = True
+                return None
+        pynvml.nvmlInit()
+        return pynvml
+
+    def _read(self) -> None:
+        nv = self.nvml
+        _, samples = nv.nvmlDeviceGetSamples(self.handle, nv.NVML_GPU_UTILIZATION_SAMPLES,
+                                             self.since_us)
+        for s in samples:
+            if s.timeStamp >= self.since_us:
+                self.samples[s.timeStamp] = s.sampleValue.uiVal
+
+    def _poll(self) -> None:
+        while not self.stop.wait(0.5):
+            self._read()
+
+    def __enter__(self) -> GpuBusy:
+        import threading
+        self.nvml = self._nvml()
+        if self.nvml is not None:
+            self.handle = self.nvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+            self.since_us, self.start = int(time.time() * 1e6), time.perf_counter()
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._poll, daemon=True)
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.nvml is None:
+            return
+        sync(self.device)
+        wall = time.perf_counter() - self.start
+        self.stop.set()
+        self.thread.join()
+        self._read()
+        if self.samples:
+            self.pct = statistics.mean(self.samples.values())
+            self.seconds = wall * self.pct / 100
+
+
 def peak_gb(device: torch.device) -> float:
     return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else float("nan")
 
@@ -448,7 +515,9 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0)
     reset_peak(device)
     session.speed_metrics().result()  # vLLM's counters from here on
-    ro, s_roll = timed(lambda: phases.rollout(sampler, config, states, G, params, seed), device)
+    with GpuBusy(device) as roll_busy:
+        ro, s_roll = timed(lambda: phases.rollout(sampler, config, states, G, params, seed),
+                           device)
     sampler_peak = peak_gb(device)
     inside_s = session.speed_metrics().result().get("vllm/generate_s", float("nan"))
     sc, s_score = timed(lambda: phases.score(ro), device)
@@ -465,8 +534,10 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
                    for i in range(0, len(weighted), minibatch)]
         return [f.result() for f in futures]
 
-    outs, s_fb = timed(fb, device)
-    opt, s_opt = timed(lambda: tc.optim_step(AdamParams(learning_rate=1e-6)).result(), device)
+    with GpuBusy(device) as update_busy:
+        outs, s_fb = timed(fb, device)
+        opt, s_opt = timed(lambda: tc.optim_step(AdamParams(learning_rate=1e-6)).result(),
+                           device)
     trainer_peak = peak_gb(device)
     flops = train_flops(datums, facts, facts["vision_flops_per_patch"])
     s_update = s_fb + s_opt
@@ -493,6 +564,9 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
         "hfu_pct": 100 * flops["hardware_flops" if recompute else "model_flops"] / s_update
         / peak_flops,
         "sampler_peak_gb": sampler_peak, "trainer_peak_gb": trainer_peak,
+        # NVML: the seconds in which a kernel of any process ran (vLLM's engine process too)
+        "rollout_gpu_busy_pct": roll_busy.pct, "rollout_gpu_busy_s": roll_busy.seconds,
+        "update_gpu_busy_pct": update_busy.pct, "update_gpu_busy_s": update_busy.seconds,
         "kv_pool_gb": kv_pool_gb(static), "grad_norm": opt.grad_norm,
         "loss": sum(o.loss for o in outs),
         "kl_sampler_trainer": statistics.mean(o.metrics["kl_sampler_trainer"] for o in outs),
@@ -521,6 +595,10 @@ def print_step(tag: str, r: dict) -> None:
         f"{r['sampler_peak_gb']:.1f} trainer {r['trainer_peak_gb']:.1f} (KV pool "
         f"{r['kv_pool_gb']:.1f}); kl "
         f"{r['kl_sampler_trainer']:.2e}")
+    if r["rollout_gpu_busy_s"] == r["rollout_gpu_busy_s"]:  # not nan: NVML was there
+        log(f"    GPU busy (NVML, any process): rollout {r['rollout_gpu_busy_s']:.2f} s "
+            f"({r['rollout_gpu_busy_pct']:.0f}%), update {r['update_gpu_busy_s']:.2f} s "
+            f"({r['update_gpu_busy_pct']:.0f}%)")
 
 
 def section_step(session: Session, args: Any, device: torch.device, facts: dict,

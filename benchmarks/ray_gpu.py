@@ -21,6 +21,10 @@ Sections:
 - vllm_actors: the tiny model (bf16) with generator.engine=vllm in --vllm-actors engine actors
   colocated with as many trainers (one a GPU): a short rollout, one update, each actor's GPU
   memory and vLLM's share.
+- pipeline: trainer.off_policy_steps=1 against on-policy steps, the seed_gpu settings as they are
+  (vLLM with merged weights in a 0.3 share, compiled layers) on Ray, 1 trainer + 1 engine
+  colocated on one GPU: the next rollout runs in the engine's process while the trainer's
+  process updates, the GPU shared between them.
 - summary: reads ray_gpu.json and prints the comparisons.
 
 Settings, for time and memory: no compilation (generator.compile_decode=false,
@@ -443,6 +447,90 @@ def section_vllm_actors(args: argparse.Namespace) -> dict[str, Any]:
     return row
 
 
+def pipeline_spec(args: argparse.Namespace, cluster: ClusterSpec) -> SessionSpec:
+    """The seed_gpu preset as it is (vLLM with merged weights in a 0.3 share, bf16 LoRA,
+    compiled layers, no checkpointing, 4 episodes a call) at this benchmark's sizes."""
+    gpu = args.device == "cuda"
+    model = args.shape
+    if gpu:  # vLLM loads from a folder: the shape's random weights, saved once
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from vllm_agreement import save_shape
+        model = save_shape(args.shape, Path(args.workdir) / "pipeline-model")
+    config = apply_overrides(PRESETS["seed_gpu"], [
+        f"model.name={model}", f"model.device={args.device}",
+        f"model.dtype={'bfloat16' if gpu else 'float32'}",
+        f"trainer.train_batch_size={args.mazes}", f"generator.n_samples_per_prompt={args.group}",
+        f"generator.max_turns={args.turns}", f"generator.max_tokens={args.max_tokens}",
+        f"generator.gpu_memory_utilization={args.vllm_share}"]
+        + ([] if gpu else ["generator.engine=transformers", "trainer.compile_layers=false",
+                           "generator.compile_decode=false"]))
+    return replace(session_spec(config, Path(args.workdir) / "pipeline"), cluster=cluster)
+
+
+def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: bool
+                    ) -> list[dict[str, Any]]:
+    """GRPO steps as rl/train.py runs them. ahead=False: sync, rollout, update. ahead=True
+    (trainer.off_policy_steps=1): each step takes the rollout the step before started, syncs,
+    starts the next rollout from the same weights, and updates while the engine samples it."""
+    tc = session.training_client
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+    states = eval_set(9, args.mazes)
+
+    def start(sampler: Any, seed: int) -> phases.PendingRollout:
+        return phases.start_rollout(sampler, maze(args), states, args.group, params, seed)
+
+    pending, rows = None, []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        ro = pending.result() if pending else None
+        t1 = time.perf_counter()
+        sampler = tc.save_weights_and_get_sampling_client()
+        t2 = time.perf_counter()
+        ro = ro or start(sampler, k).result()
+        t3 = time.perf_counter()
+        pending = start(sampler, k + 1) if ahead and k < steps - 1 else None
+        outs, opt = update(session, parity_datums(ro.flat), args.minibatch,
+                           AdamParams(learning_rate=1e-6))
+        t4 = time.perf_counter()
+        rows.append({"step_s": t4 - t0, "wait_s": t1 - t0, "sync_s": t2 - t1,
+                     "rollout_inline_s": t3 - t2, "rollout_s": ro.seconds, "update_s": t4 - t3,
+                     "ahead": ahead and k > 0, "grad_norm": opt.grad_norm,
+                     "kl_sampler_trainer": statistics.mean(
+                         o.metrics["kl_sampler_trainer"] for o in outs)})
+        r = rows[-1]
+        log(f"pipeline {'ahead' if ahead else 'on-policy'} step {k}: {r['step_s']:.2f} s = "
+            f"wait {r['wait_s']:.2f} + sync {r['sync_s']:.2f} + rollout {r['rollout_inline_s']:.2f}"
+            f" + update {r['update_s']:.2f} (the rollout itself {r['rollout_s']:.2f} s; kl "
+            f"{r['kl_sampler_trainer']:.2e})")
+    return rows
+
+
+def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
+    """trainer.off_policy_steps=1 on one GPU: 1 trainer + 1 engine colocated on Ray, the seed_gpu
+    settings. A warm-up step (the layers compile), --steps on-policy steps, then --steps + 1
+    steps that sample ahead (the first has nothing ahead yet)."""
+    connect_ray(args)
+    cluster = ClusterSpec("local", num_workers=1, num_engines=1, colocate_all=True,
+                          cpus_per_actor=args.cpus_per_actor)
+    start = time.perf_counter()
+    session = open_session(pipeline_spec(args, cluster))
+    row: dict[str, Any] = {"startup_s": time.perf_counter() - start}
+    log(f"pipeline: 1 trainer + 1 engine up in {row['startup_s']:.1f} s")
+    try:
+        row["warmup"] = pipelined_steps(session, args, 1, ahead=False)
+        row["on_policy"] = pipelined_steps(session, args, args.steps, ahead=False)
+        row["ahead"] = pipelined_steps(session, args, args.steps + 1, ahead=True)
+        text, row["memory"] = memory_line(session)
+    finally:
+        session.close()
+    on = statistics.median(r["step_s"] for r in row["on_policy"])
+    ahead = statistics.median(r["step_s"] for r in row["ahead"][1:])
+    row |= {"on_policy_step_s": on, "ahead_step_s": ahead}
+    log(f"pipeline: median step on-policy {on:.2f} s, one step off-policy {ahead:.2f} s "
+        f"({on / ahead:.2f}x); memory: {text}")
+    return row
+
+
 def section_summary(args: argparse.Namespace) -> dict[str, Any]:
     """The comparisons across sections (run last, after the others wrote ray_gpu.json)."""
     data = json.loads((Path(args.out) / "ray_gpu.json").read_text())
@@ -467,7 +555,8 @@ def section_summary(args: argparse.Namespace) -> dict[str, Any]:
 SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "inprocess": section_inprocess, "ray1": section_ray1,
     "ray2_colocated": section_ray2_colocated, "ray_split": section_ray_split,
-    "vllm_actors": section_vllm_actors, "summary": section_summary}
+    "vllm_actors": section_vllm_actors, "pipeline": section_pipeline,
+    "summary": section_summary}
 
 
 def main() -> None:
@@ -494,6 +583,7 @@ def main() -> None:
     ap.add_argument("--vllm-actors", type=int, default=2, help="vllm_actors: engines (and "
                     "trainers beside them), one a GPU")
     ap.add_argument("--syncs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=2, help="pipeline: timed steps of each kind")
     ap.add_argument("--split-parts", default="step,sync", help="ray_split: step and/or sync")
     ap.add_argument("--cpus-per-actor", type=float, default=2.0)
     ap.add_argument("--ray-cpus", type=int, default=0, help="0: all")

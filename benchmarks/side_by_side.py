@@ -274,6 +274,9 @@ def summary() -> None:
             print(f"{'':12s} step {m['step_s']:.2f} s = handoff {m['handoff_s']:.2f} + rollout "
                   f"{m['rollout_s']:.2f} + update {m['update_s']:.2f} (MFU {m['mfu_pct']:.1f}%, "
                   f"{r['step']['update_variant']}); peak trainer {m['trainer_peak_gb']:.1f} GB")
+            if m.get("rollout_gpu_busy_s") == m.get("rollout_gpu_busy_s"):  # NVML: not nan
+                print(f"{'':12s} GPU busy (NVML, any process): rollout "
+                      f"{m['rollout_gpu_busy_s']:.2f} s + update {m['update_gpu_busy_s']:.2f} s")
     if {"transformers", "vllm"} <= engines.keys():
         a, b = engines["transformers"], engines["vllm"]
         if "rollout" in a and "rollout" in b:

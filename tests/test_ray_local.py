@@ -132,6 +132,27 @@ def test_ray_run_matches_inprocess_and_uses_separate_bundles(ray_run: dict,
     assert _comparable(ray_rows) == _comparable(ref_rows)
 
 
+def test_off_policy_run_on_ray_matches_inprocess(local_ray, sft_model: str,
+                                                  small_run: list[str], tmp_path: Path) -> None:
+    """trainer.off_policy_steps=1 on Ray, whose engines sample step k+1 while the trainer
+    updates step k, ends exactly as the same run in-process, where the two take turns on one
+    worker: the same rollouts, losses and weights (policy lags 0, 1, 1)."""
+    extra = ["trainer.off_policy_steps=1", "trainer.ckpt_interval=0"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as Ray's actors run
+    try:
+        train(_config(small_run, sft_model, tmp_path / "inprocess", extra), log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    trainer = train(_config(small_run, sft_model, tmp_path / "ray", extra + ON_RAY),
+                    log=lambda *_: None)
+    trainer.session.close()
+    ray_rows, ref_rows = read_metrics(tmp_path / "ray"), read_metrics(tmp_path / "inprocess")
+    assert [r["rollout/policy_lag"] for r in ref_rows if "reward/mean" in r] == [0, 1, 1]
+    assert sum(r.get("update/datums", 0) for r in ref_rows) > 0, "no update to compare"
+    assert _comparable(ray_rows) == _comparable(ref_rows)
+
+
 def _prometheus_values(port: int, names: list[str], run: str) -> dict[str, float]:
     """The node's metrics endpoint (Prometheus text): value of each `ray_<name>{run=...}`."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read()

@@ -173,3 +173,90 @@ def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,
             assert fast[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         else:
             assert fast[key] == value, key
+
+
+OFF_POLICY = RESUME + ["trainer.off_policy_steps=1"]
+
+
+def test_off_policy_samples_ahead_and_resumes_exactly(sft_model: str, tmp_path: Path) -> None:
+    """trainer.off_policy_steps=1: step 2's rollout is exactly the one the step-0 weights make
+    for step 2's mazes and seed (it was sampled ahead, beside step 1's update, which changed the
+    weights); the step after a checkpoint samples on-policy again (lags 0, 1, 0, 1 with a
+    checkpoint every 2 steps); and a run stopped at its step-2 checkpoint resumes to the metrics
+    of one that ran straight through."""
+    from workbench.opener import session_spec
+    from workbench.policy import SamplingParams
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_mazes, step_seed
+    from workbench.rl.train import train
+    from workbench.session.inprocess import create_session_from_state
+
+    def run(folder: str, extra: list[str]) -> Path:
+        config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path / folder,
+                                                             OFF_POLICY + extra))
+        train(config, log=lambda *_: None)
+        return tmp_path / folder
+
+    straight = run("straight", ["trainer.resume_mode=none"])
+    run("stopped", ["trainer.resume_mode=none", "trainer.total_steps=2"])
+    resumed = run("stopped", ["trainer.resume_mode=latest"])
+    rows = [r for r in read_metrics(straight) if "reward/mean" in r]
+    assert [r["rollout/policy_lag"] for r in rows] == [0, 1, 0, 1]
+    assert rows[0]["update/datums"] > 0  # step 1 moved the weights: step 2 sampled the old ones
+    assert _comparable(read_metrics(resumed)) == _comparable(read_metrics(straight))
+
+    config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, straight, OFF_POLICY))
+    state = straight / "checkpoints" / "global_step_0" / "state"
+    session = create_session_from_state(state, spec=session_spec(config, tmp_path / "v0"))
+    try:
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        params = SamplingParams(max_tokens=config.generator.max_tokens,
+                                       temperature=config.generator.temperature)
+        ro = phases.rollout(sampler, config.maze, step_mazes(config, 2),
+                            config.generator.n_samples_per_prompt, params, step_seed(config, 2))
+    finally:
+        session.close()
+    assert phases.score(ro).rewards_P_G.mean() == rows[1]["reward/mean"]
+    assert ro.reply_entropy() == rows[1]["rollout/entropy"]  # the sampler's own log-probs
+
+
+def test_off_policy_starts_the_next_rollout_before_the_update(sft_model: str,
+                                                              tmp_path: Path) -> None:
+    """The loop hands the session step 2's rollout before step 1's forward_backward, so on Ray
+    the engines sample it while the trainers update; the last step starts none."""
+    from workbench.rl.schedule import step_seed
+    from workbench.rl.train import start, train_step
+
+    config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, OFF_POLICY + [
+        "trainer.total_steps=2", "trainer.ckpt_interval=0", "trainer.resume_mode=none"]))
+    trainer = start(config, log=lambda *_: None)
+    calls: list[str] = []
+    tc = trainer.session.training_client
+    forward_backward, save = tc.forward_backward, tc.save_weights_and_get_sampling_client
+
+    def spy_forward_backward(*args: object, **kwargs: object) -> object:
+        calls.append("forward_backward")
+        return forward_backward(*args, **kwargs)
+
+    def spy_save() -> object:
+        sampler = save()
+        play = sampler.play
+
+        def spy_play(loop: object, task: object, states: object, n: int, params: object,
+                     seed: int) -> object:
+            calls.append(f"play seed {seed}")
+            return play(loop, task, states, n, params, seed)
+        sampler.play = spy_play  # type: ignore[method-assign]
+        return sampler
+
+    tc.forward_backward = spy_forward_backward  # type: ignore[method-assign]
+    tc.save_weights_and_get_sampling_client = spy_save  # type: ignore[method-assign]
+    try:
+        rows = [train_step(trainer), train_step(trainer)]
+    finally:
+        trainer.session.close()
+    first_update = calls.index("forward_backward")
+    assert calls[:first_update] == [f"play seed {step_seed(config, s)}" for s in (1, 2)], calls
+    assert len([c for c in calls if c.startswith("play")]) == 2, calls
+    assert trainer.ahead is None
+    assert [r["rollout/policy_lag"] for r in rows] == [0, 1]

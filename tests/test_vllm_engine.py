@@ -540,6 +540,22 @@ def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny
     assert fake_vllm.calls[-1]["lora"] is None and fake_vllm.resets == 1
 
 
+def test_ray_trainer_worker_starts_no_vllm(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                           tmp_path: Path) -> None:
+    """A Ray trainer worker of a generator.engine=vllm session samples nothing, so it builds no
+    vLLM: on one H200 the trainer's own 0.3 share (42 GB) beside the engine actor's ran the
+    seed-shape update out of memory."""
+    from workbench.cluster.workers import SamplerEngine, TrainerWorker
+
+    spec = SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "t"), dtype="bfloat16",
+                       engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                             vllm_lora="merged"))
+    trainer = TrainerWorker(spec, 0)
+    assert not isinstance(trainer.host.engine, VLLMEngine) and fake_vllm.llm_kwargs == []
+    SamplerEngine(spec)
+    assert len(fake_vllm.llm_kwargs) == 1  # the engine actor's
+
+
 def test_completion_without_stop_is_length() -> None:
     out = FakeOutput([5, 6], [{5: types.SimpleNamespace(logprob=-1.0)},
                               {6: types.SimpleNamespace(logprob=-2.0)}], "length")

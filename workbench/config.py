@@ -186,6 +186,14 @@ class TrainerConfig:
     steps near the sampler's policy."""
     update_epochs: int = 1
     """Passes over each rollout batch (SkyRL: update_epochs_per_batch)."""
+    off_policy_steps: int = 0
+    """0: each step samples from the weights it then updates (on-policy). 1: the next step's
+    rollout is sampled from the same weights as this step's, while this step's update runs
+    (one step off-policy, as SkyRL's and PipelineRL's async trainers do; the PPO ratio is taken
+    against the sampler's own log-probs). On Ray the two overlap: the engines are processes of
+    their own. In-process they share the session's one worker and run one after the other (the
+    run says so once). The step after a checkpoint samples on-policy again, so a resumed run
+    repeats an uninterrupted one exactly."""
     ckpt_interval: int = 20
     """Full checkpoint (weights, optimiser, step, RNG states: what resume and replay start
     from) of step 0 before training and after every step that is a multiple of N; the last step
@@ -443,6 +451,9 @@ def validate(config: RunConfig) -> None:
     for key, value in values.items():
         if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
             raise ConfigError(f"{key} must not be negative, got {value}")
+    if (lag := values["trainer.off_policy_steps"]) > 1:
+        raise ConfigError("trainer.off_policy_steps must be 0 (on-policy) or 1 (the next "
+                          f"rollout overlaps this update), got {lag}")
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
     _validate_cluster(config)

@@ -24,6 +24,7 @@ import html
 import time
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
@@ -110,10 +111,40 @@ def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: i
             params: SamplingParams, seed: int) -> RolloutRecord:
     """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
     client's weights version."""
+    return start_rollout(sampler, config, states_P, n, params, seed).result()
+
+
+@dataclass
+class PendingRollout:
+    """A rollout under way (`start_rollout`): `.result()` waits for its RolloutRecord, whose
+    seconds run from the start to the last episode, however late the result is asked for."""
+
+    future: Future
+    params: SamplingParams
+    seed: int
+    started: float
+    finished: list[float] = field(default_factory=list)
+
+    def __repr__(self) -> str:
+        state = "done" if self.future.done() else "running"
+        return f"PendingRollout(seed {self.seed}, {state})"
+
+    def result(self) -> RolloutRecord:
+        episodes = self.future.result()
+        end = self.finished[0] if self.finished else time.perf_counter()
+        return RolloutRecord(episodes, self.params, self.seed, end - self.started)
+
+
+def start_rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
+                  params: SamplingParams, seed: int) -> PendingRollout:
+    """`rollout` without waiting: the episodes are sampled (on Ray, by the engines) while the
+    caller goes on, e.g. with an update."""
     _check_states(states_P)
     start = time.perf_counter()
-    episodes = sampler.play(play_episodes, config, states_P, n, params, seed).result()
-    return RolloutRecord(episodes, params, seed, time.perf_counter() - start)
+    future = sampler.play(play_episodes, config, states_P, n, params, seed)
+    pending = PendingRollout(future, params, seed, start)
+    future.add_done_callback(lambda _: pending.finished.append(time.perf_counter()))
+    return pending
 
 
 # A reward function follows TRL's protocol: a list of episodes in, one float per episode out.

@@ -51,6 +51,7 @@ class Trainer:
     run_dir: Path
     step: int = 0  # last completed step
     last_eval: Any = None  # the newest EvalRecord (its episodes feed the viewers)
+    ahead: phases.PendingRollout | None = None  # trainer.off_policy_steps=1: the next rollout
 
     @property
     def training_client(self) -> TrainingClientLike:
@@ -103,14 +104,24 @@ def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
 
 
 def train_step(trainer: Trainer) -> dict[str, float]:
-    """One GRPO step; returns (and logs) its metrics row."""
+    """One GRPO step; returns (and logs) its metrics row. With trainer.off_policy_steps=1 the
+    step's rollout was started by the step before (from that step's weights) and this step
+    starts the next one before its update (`samples_ahead`)."""
     c, step = trainer.config, trainer.step + 1
     t0 = time.perf_counter()
+    ahead, trainer.ahead = trainer.ahead, None
+    ro_ahead = ahead.result() if ahead is not None else None  # sampled during the last update
+    waited = time.perf_counter() - t0
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
-    sync_seconds = time.perf_counter() - t0  # Ray: the new weights reach every engine
+    sync_seconds = time.perf_counter() - t0 - waited  # Ray: the new weights reach every engine
     params = SamplingParams(max_tokens=c.generator.max_tokens, temperature=c.generator.temperature)
-    ro = phases.rollout(sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt,
-                        params, step_seed(c, step))
+    ro = ro_ahead or phases.rollout(sampler, c.maze, step_mazes(c, step),
+                                    c.generator.n_samples_per_prompt, params, step_seed(c, step))
+    speed = trainer.session.speed_metrics()  # this rollout's (queued before the next one)
+    if samples_ahead(c, step):
+        trainer.ahead = phases.start_rollout(sampler, c.maze, step_mazes(c, step + 1),
+                                             c.generator.n_samples_per_prompt, params,
+                                             step_seed(c, step + 1))
     sc = phases.score(ro)
     adv = phases.advantages(sc.rewards_P_G, c.trainer.advantage, ro.episodes_P_G,
                             c.trainer.step_advantage, c.trainer.step_gamma)
@@ -125,7 +136,9 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
     row["time/weight_sync"] = sync_seconds
-    row |= trainer.session.speed_metrics().result()  # speed/*: 0.0 for a fast path that fell back
+    row["time/rollout_wait"] = waited if ahead is not None else ro.seconds
+    row["rollout/policy_lag"] = 1 if ahead is not None else 0  # steps behind the updated weights
+    row |= speed.result()  # speed/*: 0.0 for a fast path that fell back
     if c.trainer.keep_step_records:
         index = phases.datum_index(ro, adv)
         rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
@@ -135,6 +148,15 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     rundir.append_metrics(trainer.run_dir, row, trainer.config.trainer.logger)
     trainer.session.report_metrics(row, trainer.run_dir.name)  # Ray: to Ray's metrics
     return row
+
+
+def samples_ahead(config: RunConfig, step: int) -> bool:
+    """Whether step `step` starts the next step's rollout before its update: with
+    trainer.off_policy_steps=1, unless it is the last step or a checkpoint step (the step after
+    a checkpoint samples on-policy, in a resumed run as in an uninterrupted one)."""
+    t = config.trainer
+    checkpointed = bool(t.ckpt_interval) and step % t.ckpt_interval == 0
+    return t.off_policy_steps == 1 and step < t.total_steps and not checkpointed
 
 
 def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
@@ -246,6 +268,10 @@ def _loop(trainer: Trainer, log: Any) -> Trainer:
                disable=None)  # None: no bar when output is not a terminal
     log = tqdm.write if log is print else log  # one summary line per step above the bar
     first, start, told = trainer.step, time.perf_counter(), False
+    if t.off_policy_steps and not trainer.config.cluster.address:
+        log("trainer.off_policy_steps=1 in-process: each step's update and the next step's "
+            "rollout (sampled from the weights before that update) run one after the other on "
+            "the session's one worker, with no overlap; on Ray (cluster.address) they overlap")
     with bar:
         while trainer.step < t.total_steps:
             row = train_step(trainer)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,11 +85,14 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> 
         lm.model = add_lora(lm.model, spec.lora).eval()
     params = [p for p in lm.model.parameters() if p.requires_grad]
     adapters = Path(spec.workdir) / "sampler_adapters" / str(os.getpid())  # one per process
+    # A trainer-only host (a Ray trainer worker) samples nothing: the plain engine, which holds
+    # no memory, not a second vLLM beside the engine actor's (it cost a trainer its GPU share)
+    engine = spec.engine if sampler else replace(spec.engine, name="transformers")
     host = ModelHost(
         lm=lm, fmt=chat_format(lm.processor), lora=spec.lora, base_hash=base_hash,
         # fused: one kernel over all parameters, 14x faster than the per-tensor loop on 2 cores
         workdir=Path(spec.workdir), optimizer=torch.optim.AdamW(params, lr=1e-4, fused=True),
-        engine=make_engine(spec.engine, lm, spec.lora.rank if spec.lora else None, adapters),
+        engine=make_engine(engine, lm, spec.lora.rank if spec.lora else None, adapters),
         speed=spec.speed,
     )
     if lm.model.device.type == "cuda":  # one attention call a vision layer (model/vision.py)
