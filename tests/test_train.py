@@ -260,3 +260,26 @@ def test_off_policy_starts_the_next_rollout_before_the_update(sft_model: str,
     assert len([c for c in calls if c.startswith("play")]) == 2, calls
     assert trainer.ahead is None
     assert [r["rollout/policy_lag"] for r in rows] == [0, 1]
+
+
+def test_off_policy_step_ignores_a_rollout_started_for_another_step(sft_model: str,
+                                                                    tmp_path: Path) -> None:
+    """A rollout left ahead by an interrupted notebook cell belongs to another step (its seed
+    says which): the step samples its own instead of training on other mazes."""
+    from workbench.policy import SamplingParams
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_mazes, step_seed
+    from workbench.rl.train import start, train_step
+
+    config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, OFF_POLICY + [
+        "trainer.total_steps=1", "trainer.ckpt_interval=0", "trainer.resume_mode=none"]))
+    trainer = start(config, log=lambda *_: None)
+    try:
+        sampler = trainer.training_client.save_weights_and_get_sampling_client()
+        trainer.ahead = phases.start_rollout(sampler, config.maze, step_mazes(config, 2),
+                                             config.generator.n_samples_per_prompt,
+                                             SamplingParams(max_tokens=2), step_seed(config, 2))
+        row = train_step(trainer)
+    finally:
+        trainer.session.close()
+    assert row["rollout/policy_lag"] == 0 and trainer.ahead is None

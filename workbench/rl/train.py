@@ -110,13 +110,16 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     c, step = trainer.config, trainer.step + 1
     t0 = time.perf_counter()
     ahead, trainer.ahead = trainer.ahead, None
+    if ahead is not None and ahead.seed != step_seed(c, step):
+        ahead = None  # another step's (a step interrupted in a notebook cell): sample anew
     ro_ahead = ahead.result() if ahead is not None else None  # sampled during the last update
     waited = time.perf_counter() - t0
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
     sync_seconds = time.perf_counter() - t0 - waited  # Ray: the new weights reach every engine
     params = SamplingParams(max_tokens=c.generator.max_tokens, temperature=c.generator.temperature)
-    ro = ro_ahead or phases.rollout(sampler, c.maze, step_mazes(c, step),
-                                    c.generator.n_samples_per_prompt, params, step_seed(c, step))
+    ro = ro_ahead if ro_ahead is not None else phases.rollout(
+        sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt, params,
+        step_seed(c, step))
     speed = trainer.session.speed_metrics()  # this rollout's (queued before the next one)
     if samples_ahead(c, step):
         trainer.ahead = phases.start_rollout(sampler, c.maze, step_mazes(c, step + 1),
