@@ -494,7 +494,8 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
         t4 = time.perf_counter()
         rows.append({"step_s": t4 - t0, "wait_s": t1 - t0, "sync_s": t2 - t1,
                      "rollout_inline_s": t3 - t2, "rollout_s": ro.seconds, "update_s": t4 - t3,
-                     "ahead": ahead and k > 0, "grad_norm": opt.grad_norm,
+                     "ahead": ahead and k > 0, "started_next": pending is not None,
+                     "grad_norm": opt.grad_norm,
                      "kl_sampler_trainer": statistics.mean(
                          o.metrics["kl_sampler_trainer"] for o in outs)})
         r = rows[-1]
@@ -507,8 +508,10 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
 
 def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     """trainer.off_policy_steps=1 on one GPU: 1 trainer + 1 engine colocated on Ray, the seed_gpu
-    settings. A warm-up step (the layers compile), --steps on-policy steps, then --steps + 1
-    steps that sample ahead (the first has nothing ahead yet)."""
+    settings. A warm-up step (the layers compile), --steps on-policy steps, then --steps + 2
+    steps that sample ahead: the first fills the pipeline (nothing ahead yet) and the last
+    drains it (no next rollout beside its update), so the --steps between them are the steady
+    state a long run sees."""
     connect_ray(args)
     cluster = ClusterSpec("local", num_workers=1, num_engines=1, colocate_all=True,
                           cpus_per_actor=args.cpus_per_actor)
@@ -519,15 +522,16 @@ def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     try:
         row["warmup"] = pipelined_steps(session, args, 1, ahead=False)
         row["on_policy"] = pipelined_steps(session, args, args.steps, ahead=False)
-        row["ahead"] = pipelined_steps(session, args, args.steps + 1, ahead=True)
+        row["ahead"] = pipelined_steps(session, args, args.steps + 2, ahead=True)
         text, row["memory"] = memory_line(session)
     finally:
         session.close()
     on = statistics.median(r["step_s"] for r in row["on_policy"])
-    ahead = statistics.median(r["step_s"] for r in row["ahead"][1:])
+    steady = [r["step_s"] for r in row["ahead"] if r["ahead"] and r["started_next"]]
+    ahead = statistics.median(steady)
     row |= {"on_policy_step_s": on, "ahead_step_s": ahead}
-    log(f"pipeline: median step on-policy {on:.2f} s, one step off-policy {ahead:.2f} s "
-        f"({on / ahead:.2f}x); memory: {text}")
+    log(f"pipeline: median step on-policy {on:.2f} s, one step off-policy {ahead:.2f} s in the "
+        f"steady state (each update beside the next rollout; {on / ahead:.2f}x); memory: {text}")
     return row
 
 
