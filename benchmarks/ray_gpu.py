@@ -52,7 +52,10 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from vllm_agreement import save_shape  # noqa: E402  (benchmarks/: the 8B shape saved for vLLM)
 
 from workbench.config import PRESETS, apply_overrides  # noqa: E402
 from workbench.envs import MazeConfig, eval_set  # noqa: E402
@@ -453,8 +456,6 @@ def pipeline_spec(args: argparse.Namespace, cluster: ClusterSpec) -> SessionSpec
     gpu = args.device == "cuda"
     model = args.shape
     if gpu:  # vLLM loads from a folder: the shape's random weights, saved once
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        from vllm_agreement import save_shape
         model = save_shape(args.shape, Path(args.workdir) / "pipeline-model")
     config = apply_overrides(PRESETS["seed_gpu"], [
         f"model.name={model}", f"model.device={args.device}",

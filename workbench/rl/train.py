@@ -153,13 +153,19 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     return row
 
 
+def checkpoint_due(config: RunConfig, step: int) -> bool:
+    """Whether a full checkpoint follows step `step` (every trainer.ckpt_interval steps; never
+    when 0)."""
+    t = config.trainer
+    return bool(t.ckpt_interval) and step % t.ckpt_interval == 0
+
+
 def samples_ahead(config: RunConfig, step: int) -> bool:
     """Whether step `step` starts the next step's rollout before its update: with
     trainer.off_policy_steps=1, unless it is the last step or a checkpoint step (the step after
     a checkpoint samples on-policy, in a resumed run as in an uninterrupted one)."""
     t = config.trainer
-    checkpointed = bool(t.ckpt_interval) and step % t.ckpt_interval == 0
-    return t.off_policy_steps == 1 and step < t.total_steps and not checkpointed
+    return t.off_policy_steps == 1 and step < t.total_steps and not checkpoint_due(config, step)
 
 
 def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
@@ -315,7 +321,7 @@ def _after_step(trainer: Trainer, log: Any) -> None:
     if t.hf_save_interval and (step % t.hf_save_interval == 0 or step == t.total_steps):
         trainer.training_client.export_adapter(
             trainer.run_dir / "exports" / f"global_step_{step}").result()
-    if t.ckpt_interval and step % t.ckpt_interval == 0:
+    if checkpoint_due(trainer.config, step):
         save_checkpoint(trainer)
     storage.mirror_run(trainer.run_dir, trainer.config.run_dir,
                        trainer.config.storage.endpoint_url)  # s3:// run_dir: upload what is new
