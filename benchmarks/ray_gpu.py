@@ -25,6 +25,8 @@ Sections:
   (vLLM with merged weights in a 0.3 share, compiled layers) on Ray, 1 trainer + 1 engine
   colocated on one GPU: the next rollout runs in the engine's process while the trainer's
   process updates, the GPU shared between them.
+- pipeline_inprocess: the same in-process, as seed_gpu runs by default: vLLM samples in its own
+  process, driven from the session's sampler lane (a thread), while this process updates.
 - summary: reads ray_gpu.json and prints the comparisons.
 
 Settings, for time and memory: no compilation (generator.compile_decode=false,
@@ -55,6 +57,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu import GpuBusy  # noqa: E402  (benchmarks/gpu.py: NVML's busy time)
 from vllm_agreement import save_shape  # noqa: E402  (benchmarks/: the 8B shape saved for vLLM)
 
 from workbench.config import PRESETS, apply_overrides  # noqa: E402
@@ -315,7 +318,11 @@ def ray_session(args: argparse.Namespace, workers: int, engines: int, colocate: 
 
 
 def memory_line(session: Any) -> tuple[str, dict[str, Any]]:
-    mem = session.memory()
+    """Each actor's GPU memory (a Ray session), or this process's and its vLLM's (in-process)."""
+    from workbench.cluster.workers import device_memory, vllm_memory
+
+    mem = session.memory() if hasattr(session, "memory") else {
+        "trainers": [device_memory()], "engines": [vllm_memory(session.host.engine)]}
     parts = [f"{kind[:-1]} {k}: reserved {m.get('reserved', 0) / 1e9:.1f} GB peak "
              f"{m.get('peak', 0) / 1e9:.1f} GB, device used {m.get('device_used', 0) / 1e9:.1f} GB"
              + (f", vLLM budget {m['vllm_budget'] / 1e9:.1f} GB ({m['vllm_utilization']})"
@@ -481,19 +488,22 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
         return phases.start_rollout(sampler, maze(args), states, args.group, params, seed)
 
     pending, rows = None, []
+    device = torch.device(args.device if not hasattr(session, "memory") else "cpu")
     for k in range(steps):
-        t0 = time.perf_counter()
-        ro = pending.result() if pending else None
-        t1 = time.perf_counter()
-        sampler = tc.save_weights_and_get_sampling_client()
-        t2 = time.perf_counter()
-        ro = ro or start(sampler, k).result()
-        t3 = time.perf_counter()
-        pending = start(sampler, k + 1) if ahead and k < steps - 1 else None
-        outs, opt = update(session, parity_datums(ro.flat), args.minibatch,
-                           AdamParams(learning_rate=1e-6))
-        t4 = time.perf_counter()
-        rows.append({"step_s": t4 - t0, "wait_s": t1 - t0, "sync_s": t2 - t1,
+        with GpuBusy(device) as busy:  # in-process only: a Ray driver has no GPU
+            t0 = time.perf_counter()
+            ro = pending.result() if pending else None
+            t1 = time.perf_counter()
+            sampler = tc.save_weights_and_get_sampling_client()
+            t2 = time.perf_counter()
+            ro = ro or start(sampler, k).result()
+            t3 = time.perf_counter()
+            pending = start(sampler, k + 1) if ahead and k < steps - 1 else None
+            outs, opt = update(session, parity_datums(ro.flat), args.minibatch,
+                               AdamParams(learning_rate=1e-6))
+            t4 = time.perf_counter()
+        rows.append({"step_s": t4 - t0, "gpu_busy_s": busy.seconds, "wait_s": t1 - t0,
+                     "sync_s": t2 - t1,
                      "rollout_inline_s": t3 - t2, "rollout_s": ro.seconds, "update_s": t4 - t3,
                      "ahead": ahead and k > 0, "started_next": pending is not None,
                      "grad_norm": opt.grad_norm,
@@ -503,23 +513,35 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
         log(f"pipeline {'ahead' if ahead else 'on-policy'} step {k}: {r['step_s']:.2f} s = "
             f"wait {r['wait_s']:.2f} + sync {r['sync_s']:.2f} + rollout {r['rollout_inline_s']:.2f}"
             f" + update {r['update_s']:.2f} (the rollout itself {r['rollout_s']:.2f} s; kl "
-            f"{r['kl_sampler_trainer']:.2e})")
+            f"{r['kl_sampler_trainer']:.2e}; GPU busy {r['gpu_busy_s']:.2f} s)")
     return rows
 
 
 def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     """trainer.off_policy_steps=1 on one GPU: 1 trainer + 1 engine colocated on Ray, the seed_gpu
-    settings. A warm-up step (the layers compile), --steps on-policy steps, then --steps + 2
-    steps that sample ahead: the first fills the pipeline (nothing ahead yet) and the last
-    drains it (no next rollout beside its update), so the --steps between them are the steady
-    state a long run sees."""
+    settings (`pipeline_steps`)."""
     connect_ray(args)
-    cluster = ClusterSpec("local", num_workers=1, num_engines=1, colocate_all=True,
-                          cpus_per_actor=args.cpus_per_actor)
+    return pipeline_steps(args, "pipeline", "1 trainer + 1 engine", ClusterSpec(
+        "local", num_workers=1, num_engines=1, colocate_all=True,
+        cpus_per_actor=args.cpus_per_actor))
+
+
+def section_pipeline_inprocess(args: argparse.Namespace) -> dict[str, Any]:
+    """trainer.off_policy_steps=1 in-process, the seed_gpu default: vLLM samples in its own
+    process on the session's sampler lane while this process updates (`pipeline_steps`)."""
+    return pipeline_steps(args, "pipeline_inprocess", "in-process session", ClusterSpec())
+
+
+def pipeline_steps(args: argparse.Namespace, name: str, what: str, cluster: ClusterSpec
+                   ) -> dict[str, Any]:
+    """A warm-up step (the layers compile), --steps on-policy steps, then --steps + 2 steps that
+    sample ahead: the first fills the pipeline (nothing ahead yet) and the last drains it (no
+    next rollout beside its update), so the --steps between them are the steady state a long
+    run sees."""
     start = time.perf_counter()
     session = open_session(pipeline_spec(args, cluster))
     row: dict[str, Any] = {"startup_s": time.perf_counter() - start}
-    log(f"pipeline: 1 trainer + 1 engine up in {row['startup_s']:.1f} s")
+    log(f"{name}: {what} up in {row['startup_s']:.1f} s")
     try:
         row["warmup"] = pipelined_steps(session, args, 1, ahead=False)
         row["on_policy"] = pipelined_steps(session, args, args.steps, ahead=False)
@@ -531,7 +553,7 @@ def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
     steady = [r["step_s"] for r in row["ahead"] if r["ahead"] and r["started_next"]]
     ahead = statistics.median(steady)
     row |= {"on_policy_step_s": on, "ahead_step_s": ahead}
-    log(f"pipeline: median step on-policy {on:.2f} s, one step off-policy {ahead:.2f} s in the "
+    log(f"{name}: median step on-policy {on:.2f} s, one step off-policy {ahead:.2f} s in the "
         f"steady state (each update beside the next rollout; {on / ahead:.2f}x); memory: {text}")
     return row
 
@@ -561,6 +583,7 @@ SECTIONS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "inprocess": section_inprocess, "ray1": section_ray1,
     "ray2_colocated": section_ray2_colocated, "ray_split": section_ray_split,
     "vllm_actors": section_vllm_actors, "pipeline": section_pipeline,
+    "pipeline_inprocess": section_pipeline_inprocess,
     "summary": section_summary}
 
 

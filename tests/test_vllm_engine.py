@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -258,6 +259,7 @@ def test_config_selects_engine_with_skyrl_alias() -> None:
 def test_default_engine_is_transformers(tiny, tmp_path: Path) -> None:
     engine = make_engine(EngineSettings(), tiny, 8, tmp_path)
     assert isinstance(engine, TransformersEngine) and engine.name == "transformers"
+    assert not engine.samples_own_weights  # it samples the model: one lane in-process
     with pytest.raises(ValueError, match="generator.engine='nope'"):
         make_engine(EngineSettings("nope"), tiny, 8, tmp_path)
 
@@ -435,8 +437,9 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """generator.vllm_lora=merged: vLLM is built without LoRA, with our worker extension. Each
     weights version reaches its weights as W + scale * B @ A under the checkpoint's own names
-    (what vLLM's load_weights maps onto its fused q/k/v and gate/up), the prefix cache is then
-    dropped, and requests carry no LoRARequest. An older client's version is merged again."""
+    (what vLLM's load_weights maps onto its fused q/k/v and gate/up) when it is first sampled,
+    the prefix cache is then dropped, and requests carry no LoRARequest. An older client's
+    version is merged again from its snapshot, and the model keeps the trainer's weights."""
     from safetensors.torch import load_file
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # vLLM's default: its own process
@@ -454,6 +457,10 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
                 if "lora_B" in name:
                     p.copy_(0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
         v0 = tc.save_weights_and_get_sampling_client()
+        assert fake_vllm.loaded == []  # merged when first sampled
+        prompt, fmt = _two_turn_stream(tiny), chat_format(tiny.processor)
+        [c] = v0.sample(prompt, 1, SamplingParams(max_tokens=3), seed=5).result().sequences
+        assert fake_vllm.calls[-1]["lora"] is None  # no LoRA kernels: the weights are merged
         sent0 = _pushed(fake_vllm, 0)
         checkpoint = load_file(str(tiny_dir / "model.safetensors"))
         linears = {n: m for n, m in model.named_modules()
@@ -469,9 +476,6 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
             assert sent0[key].dtype == torch.bfloat16 and not torch.equal(sent0[key], W)
         assert fake_vllm.resets == 1
         assert set(fake_vllm.payloads) == {bytes}  # vLLM's own process: shared (`share`)
-        prompt, fmt = _two_turn_stream(tiny), chat_format(tiny.processor)
-        [c] = v0.sample(prompt, 1, SamplingParams(max_tokens=3), seed=5).result().sequences
-        assert fake_vllm.calls[-1]["lora"] is None  # no LoRA kernels: the weights are merged
         tc.forward_backward([datum_from_stream(append_reply(prompt, fmt, c.tokens, c.logprobs),
                                                1.0)], "importance_sampling")
         tc.optim_step(AdamParams(learning_rate=1e-2)).result()
@@ -482,15 +486,17 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         assert any(not torch.equal(sent1[k], sent0[k]) for k in sent0)  # v1's weights
         pushes = len(fake_vllm.loaded)
         v0.sample(prompt, 1, SamplingParams()).result()  # the old client: v0 merged again
+        assert _pushed(fake_vllm, pushes).keys() == sent0.keys()
         assert all(torch.equal(t, sent0[k]) for k, t in _pushed(fake_vllm, pushes).items())
         assert fake_vllm.resets == 3
+        assert session.host.loaded_version is None  # from v0's snapshot: the model is v1
         assert fake_vllm.encoder_resets == 0  # no LoRA on the vision tower: its features stand
     finally:
         session.close()
 
 
 def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny_dir: Path,
-                                                       tmp_path: Path) -> None:
+                                                       tmp_path: Path, tiny) -> None:
     """With LoRA on the vision tower too, a merged version changes the image features, so vLLM's
     encoder cache is dropped with its prefix cache."""
     session = create_session(SessionSpec(
@@ -498,7 +504,8 @@ def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny
         dtype="bfloat16",
         engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged")))
     try:
-        session.training_client.save_weights_and_get_sampling_client()
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        sampler.sample(_two_turn_stream(tiny), 1, SamplingParams(max_tokens=2)).result()
         names = _pushed(fake_vllm, 0).keys()
         assert any(n.startswith("model.visual.") for n in names)
         assert any(n.startswith("model.language_model.") for n in names)
@@ -527,6 +534,7 @@ def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny
         if "lora_B" in name:
             weights[name] = torch.full_like(t, 0.01)
     assert actor.install((3, weights)) == 3
+    actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
     sent = _pushed(fake_vllm, 0)
     model = actor.host.lm.model
     for name, module in model.named_modules():
@@ -536,8 +544,55 @@ def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny
             assert not torch.equal(sent[key], module.base_layer.weight)
     assert len(sent) == 7 * model.config.text_config.num_hidden_layers
     assert fake_vllm.payloads == [list]  # the tensors themselves, not IPC handles
-    actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
     assert fake_vllm.calls[-1]["lora"] is None and fake_vllm.resets == 1
+
+
+def test_vllm_session_samples_beside_the_trainer(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                 tmp_path: Path, tiny,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process session over vLLM (weights of its own) runs sampling on a lane of its own:
+    a rollout whose version merge waits for a forward_backward and optim_step submitted after
+    it gets them (on one lane they would queue behind it and the wait would time out), and it
+    samples its version's snapshot, not the weights the trainer moved meanwhile."""
+    from workbench.policy.fused import merged_weight
+    from workbench.policy.vllm_merged import lora_linears, snapshot_factors
+
+    session = create_session(SessionSpec(
+        str(tiny_dir), LORA, workdir=str(tmp_path / "lanes"), dtype="bfloat16",
+        engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged")))
+    stepped = threading.Event()
+    merge = fake_vllm.collective_rpc
+
+    def merge_after_the_step(method: str, args: tuple = ()) -> list[Any]:
+        assert stepped.wait(timeout=30), "the trainer's calls queued behind the rollout"
+        return merge(method, args)
+
+    monkeypatch.setattr(fake_vllm, "collective_rpc", merge_after_the_step)
+    try:
+        assert session.overlaps_sampling
+        tc, fmt, model = session.training_client, chat_format(tiny.processor), session.host.lm.model
+        v0 = tc.save_weights_and_get_sampling_client()
+        snap = {k: t.clone() for k, t in session.host.versions[v0.version].items()}
+        rollout = v0.play(play_episodes, SMALL, eval_set(5, 2), 2, SamplingParams(max_tokens=3),
+                          0)
+        reply = tiny.processor.tokenizer.encode("right", add_special_tokens=False) + [fmt.im_end]
+        datum = datum_from_stream(append_reply(_two_turn_stream(tiny), fmt, reply,
+                                               [-0.5] * len(reply)), 1.0)
+        tc.forward_backward([datum], "importance_sampling")
+        tc.optim_step(AdamParams(learning_rate=1e-2)).result()
+        stepped.set()
+        assert len(rollout.result(timeout=120)) == 2
+        sent = _pushed(fake_vllm, 0)
+        for name, module in lora_linears(model):
+            v0_weight = merged_weight(module, snapshot_factors(snap, name, module))
+            assert torch.equal(sent[name.removeprefix("base_model.model.") + ".weight"],
+                               v0_weight)
+        assert any(not torch.equal(merged_weight(m), merged_weight(m, snapshot_factors(snap, n, m)))
+                   for n, m in lora_linears(model))  # the trainer's LoRA moved on
+        assert session.host.loaded_version is None
+    finally:
+        stepped.set()
+        session.close()
 
 
 def test_ray_trainer_worker_starts_no_vllm(fake_vllm: FakeVLLM, tiny_dir: Path,

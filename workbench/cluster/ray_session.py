@@ -276,6 +276,11 @@ class RaySession:
         self.training_client = RayTrainingClient(self)
 
     @property
+    def overlaps_sampling(self) -> bool:
+        """Always: engines sample in actors of their own, beside the trainers."""
+        return True
+
+    @property
     def workdir(self) -> Path:
         return self._workdir
 

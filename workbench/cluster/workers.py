@@ -230,8 +230,7 @@ class SamplerEngine:
         return host.sample(self.host, prompt, n, params, seed)
 
     def compute_logprobs(self, version: int, prompt: Stream, temperature: float) -> list[float]:
-        host.use_version(self.host, version)
-        return host.compute_logprobs(self.host, prompt, temperature)
+        return host.compute_logprobs(self.host, version, prompt, temperature)
 
     def play(self, version: int, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
              params: SamplingParams, seed: int) -> list:

@@ -13,10 +13,12 @@ Two engines stand behind it, picked by `generator.engine` (`policy.engines.make_
   host's model; a weights version is copied into that model by the session, so the version hooks
   do nothing here.
 - `vllm` (GPU only, `policy.vllm_engine`): vLLM with prefix caching; each version's LoRA adapter
-  is exported as a PEFT folder and sent as a LoRARequest.
+  is exported as a PEFT folder and sent as a LoRARequest, or merged into vLLM's own weights.
 
 The version hooks (`add_version`, `use_version`, `drop_version`) are called by the session when
-it snapshots, selects and prunes sampler weight versions.
+it snapshots, selects and prunes sampler weight versions. An engine with `samples_own_weights`
+(vLLM) never reads the model's LoRA while it samples, so an in-process session runs its sampling
+calls on a lane of their own, beside the trainer's (`session.inprocess.Session`).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Engine(Protocol):
     """A sampler engine: opens batches of rows; follows the session's weight versions."""
 
     name: str
+    samples_own_weights: bool  # samples from its own copy of each version, never the model's
 
     def open(self, prompts_P: list[Stream], n: int) -> Rows:
         """Rows for P prompts, each repeated n times (row p * n + g is sample g of prompt p)."""
@@ -78,8 +81,9 @@ class Engine(Protocol):
         """`model` (the peft policy) now holds weights version `version`."""
         ...
 
-    def use_version(self, version: int) -> None:
-        """Sample from weights version `version` from now on."""
+    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None) -> None:
+        """Sample from weights version `version` from now on (`tensors`: its snapshot of the
+        trainable weights, None if the host has none)."""
         ...
 
     def drop_version(self, version: int) -> None:
@@ -110,6 +114,7 @@ class TransformersEngine:
     """Our KV-cached batched sampler over `lm.model` (CPU or GPU)."""
 
     name = "transformers"
+    samples_own_weights = False  # samples from the host's model: versions are copied into it
 
     def __init__(self, lm: Any) -> None:
         self.lm = lm  # read lm.model at each call: the session may re-wrap it
@@ -126,7 +131,7 @@ class TransformersEngine:
     def add_version(self, version: int, model: Any) -> None:
         """Nothing to do: the session copies a version's weights into the model itself."""
 
-    def use_version(self, version: int) -> None:
+    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Nothing to do: the model already holds the version's weights."""
 
     def drop_version(self, version: int) -> None:

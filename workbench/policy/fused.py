@@ -63,9 +63,11 @@ class FusedWeights:
     version: int | None = None  # the sampler weights version these were merged from
 
 
-def merged_weight(linear: Any) -> torch.Tensor:
+def merged_weight(linear: Any, factors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> torch.Tensor:
     """`linear`'s weight with its active LoRA adapters folded in (peft's LoRA Linear or a plain
-    nn.Linear), computed in float32 and rounded once to the weight's dtype."""
+    nn.Linear), computed in float32 and rounded once to the weight's dtype. `factors` (adapter
+    -> (A, B)) replaces the adapters' own factors: a snapshot of another weights version."""
     base = getattr(linear, "base_layer", linear)
     W = base.weight.detach()
     adapters = [] if getattr(linear, "disable_adapters", True) or getattr(linear, "merged", False) \
@@ -77,8 +79,9 @@ def merged_weight(linear: Any) -> torch.Tensor:
         if a in getattr(linear, "lora_variant", {}):
             raise ValueError(f"fused decode merges plain LoRA only; adapter {a!r} is a variant "
                              "(DoRA, ...): set generator.fused_decode=false")
-        A, B = linear.lora_A[a].weight.detach().float(), linear.lora_B[a].weight.detach().float()
-        out = torch.addmm(out, B, A, alpha=linear.scaling[a])
+        A, B = factors[a] if factors is not None else (linear.lora_A[a].weight,
+                                                        linear.lora_B[a].weight)
+        out = torch.addmm(out, B.detach().float(), A.detach().float(), alpha=linear.scaling[a])
     return out.to(W.dtype)
 
 

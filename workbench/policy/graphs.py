@@ -249,7 +249,7 @@ class GraphEngine(TransformersEngine):
         self.static = static
         self.version: int | None = None  # the sampler version the model holds (None: unknown)
 
-    def use_version(self, version: int) -> None:
+    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """The model now holds `version`: fused weights are re-merged at the next `open`."""
         self.version = version
 

@@ -263,6 +263,7 @@ class VLLMEngine:
     """vllm.LLM over the base model; samples with the LoRA adapter of the version in use."""
 
     name = "vllm"
+    samples_own_weights = True  # each version's adapter or merged weights: the model is free
 
     def __init__(self, lm: Any, settings: EngineSettings, lora_rank: int | None,
                  adapter_root: Path) -> None:
@@ -292,27 +293,24 @@ class VLLMEngine:
 
     def add_version(self, version: int, model: Any) -> None:
         """adapter: export the peft model's adapter (adapter_config.json +
-        adapter_model.safetensors). merged: merge it into vLLM's weights now (the model holds
-        this version: the next rollout samples it)."""
+        adapter_model.safetensors). merged: nothing yet; `use_version` merges the version's
+        snapshot into vLLM's weights when it is first sampled."""
         if self.merged:
-            self.model = model
-            self._push(version)
+            self.model = model  # its frozen base weights are merged with each version's factors
             return
         model.save_pretrained(str(self.adapter_folder(version)))
 
-    def _push(self, version: int) -> None:
-        push_merged(self.llm, self.model)
-        self.merged_version = version
-
-    def use_version(self, version: int) -> None:
+    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
         """Sample with version `version` from now on: its adapter, or (merged) its weights,
-        merged again if vLLM holds another version (the host has loaded this one's)."""
+        merged from `tensors` (the version's snapshot; None: the model's own LoRA) if vLLM holds
+        another version."""
         if self.merged:
             if self.model is None:
                 raise FileNotFoundError(f"sampler version {version} was never added "
                                         "(add_version was not called)")
             if version != self.merged_version:
-                self._push(version)
+                push_merged(self.llm, self.model, tensors)
+                self.merged_version = version
             self.version = version
             return
         if not (self.adapter_folder(version) / "adapter_config.json").is_file():

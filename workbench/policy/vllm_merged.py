@@ -22,8 +22,11 @@ How a version travels (same GPU):
 The merged tensors are made and sent a chunk of layers at a time, so the extra memory is one
 chunk (`CHUNK_BYTES`), not a second copy of the model.
 
-vLLM holds one merged version at a time: sampling an older version (an old SamplingClient)
-merges it again from the weights the host has loaded for it.
+A version is merged when it is first sampled (`VLLMEngine.use_version`), from the host's snapshot
+of its LoRA factors and the model's frozen base weights: never from the trainer's live LoRA, so an
+in-process session can sample on its own thread while the trainer updates (`Session`'s sampler
+lane). vLLM holds one merged version at a time: sampling an older version (an old SamplingClient)
+merges it again from its snapshot.
 """
 
 from __future__ import annotations
@@ -55,22 +58,33 @@ def hf_name(module_name: str) -> str:
 
 
 def lora_linears(model: Any) -> Iterator[tuple[str, Any]]:
-    """(HF weight name, module) for every linear that carries a LoRA adapter."""
+    """(module name, module) for every linear that carries a LoRA adapter."""
     for name, module in model.named_modules():
         if hasattr(module, "lora_A") and hasattr(module, "base_layer"):
-            yield hf_name(name), module
+            yield name, module
 
 
-def merged_weights(model: Any, chunk_bytes: int = CHUNK_BYTES
-                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def snapshot_factors(tensors: dict[str, torch.Tensor], name: str, module: Any
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Adapter -> (A, B) of LoRA linear `name` in a snapshot of the trainable tensors (a
+    sampler weights version: `session.host.snapshot`)."""
+    return {a: (tensors[f"{name}.lora_A.{a}.weight"], tensors[f"{name}.lora_B.{a}.weight"])
+            for a in module.lora_A}
+
+
+def merged_weights(model: Any, tensors: dict[str, torch.Tensor] | None = None,
+                   chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's LoRA linears merged (W + scale * B @ A, bf16), in chunks of about
-    `chunk_bytes`: each chunk a list of (HF weight name, tensor)."""
+    `chunk_bytes`: each chunk a list of (HF weight name, tensor). A and B are the model's own,
+    or (`tensors`) a snapshot's: then only the frozen base weights are read from the model, so a
+    trainer may update its LoRA meanwhile."""
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
     with torch.no_grad():
         for name, module in lora_linears(model):
-            weight = merged_weight(module)
-            chunk.append((name, weight))
+            factors = None if tensors is None else snapshot_factors(tensors, name, module)
+            weight = merged_weight(module, factors)
+            chunk.append((hf_name(name), weight))
             size += weight.numel() * weight.element_size()
             if size >= chunk_bytes:
                 yield chunk
@@ -137,11 +151,13 @@ class MergedWeightsWorker:
         return len(weights)
 
 
-def push_merged(llm: Any, model: Any, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Merge the model's LoRA into vLLM's weights, chunk by chunk; then drop vLLM's prefix cache
-    (its KV was computed with the old weights). Returns the number of tensors loaded."""
+def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor] | None = None,
+                chunk_bytes: int = CHUNK_BYTES) -> int:
+    """Merge the model's LoRA (or the snapshot `tensors` of a version) into vLLM's weights,
+    chunk by chunk; then drop vLLM's prefix cache (its KV was computed with the old weights).
+    Returns the number of tensors loaded."""
     loaded, in_process, vision = 0, engine_in_process(), False
-    for chunk in merged_weights(model, chunk_bytes):
+    for chunk in merged_weights(model, tensors, chunk_bytes):
         vision = vision or any(name.startswith(VISION_PREFIX) for name, _ in chunk)
         payload = chunk if in_process else share(chunk)
         counts = llm.collective_rpc("load_shared_weights", args=(payload,))

@@ -277,10 +277,11 @@ def _loop(trainer: Trainer, log: Any) -> Trainer:
                disable=None)  # None: no bar when output is not a terminal
     log = tqdm.write if log is print else log  # one summary line per step above the bar
     first, start, told = trainer.step, time.perf_counter(), False
-    if t.off_policy_steps and not trainer.config.cluster.address:
-        log("trainer.off_policy_steps=1 in-process: each step's update and the next step's "
-            "rollout (sampled from the weights before that update) run one after the other on "
-            "the session's one worker, with no overlap; on Ray (cluster.address) they overlap")
+    if t.off_policy_steps and not trainer.session.overlaps_sampling:
+        log("trainer.off_policy_steps=1 with generator.engine=transformers in-process: each "
+            "step's update and the next step's rollout (sampled from the weights before that "
+            "update) take turns on the session's one worker, with no overlap; with "
+            "generator.engine=vllm or on Ray (cluster.address) they overlap")
     with bar:
         while trainer.step < t.total_steps:
             row = train_step(trainer)

@@ -174,22 +174,33 @@ def snapshot(host: ModelHost) -> dict[str, torch.Tensor]:
 
 
 def use_version(host: ModelHost, version: int) -> None:
-    """Sample from version `version`: its weights go into the model (the trainer's are parked)
-    and the engine is told."""
-    _load_version(host, version)
-    host.engine.use_version(version)
-
-
-def _load_version(host: ModelHost, version: int) -> None:
-    trainer_current = host.loaded_version is None and version == host.weights_id
-    if host.loaded_version == version or trainer_current:
+    """Sample from version `version`. An engine with weights of its own (vLLM) takes the
+    version's snapshot and the model is left to the trainer; otherwise the version's weights go
+    into the model (the trainer's are parked)."""
+    if host.engine.samples_own_weights:
+        host.engine.use_version(version, version_tensors(host, version))
         return
+    load_version(host, version)
+    host.engine.use_version(version, None)
+
+
+def version_tensors(host: ModelHost, version: int) -> dict[str, torch.Tensor]:
+    """Version `version`'s snapshot of the trainable weights, or KeyError once it was pruned."""
     if version not in host.versions:
         raise KeyError(f"sampler version {version} was dropped (only the last "
                        f"{KEEP_VERSIONS + 1} are kept); get a new sampling client")
+    return host.versions[version]
+
+
+def load_version(host: ModelHost, version: int) -> None:
+    """Put version `version`'s weights into the model (the trainer's are parked)."""
+    trainer_current = host.loaded_version is None and version == host.weights_id
+    if host.loaded_version == version or trainer_current:
+        return
+    tensors = version_tensors(host, version)
     if host.loaded_version is None:  # the trainer's weights are in the model: park them
         host.parked = snapshot(host)
-    _copy_in(host, host.versions[version])
+    _copy_in(host, tensors)
     host.loaded_version = version
 
 
@@ -227,8 +238,11 @@ def sample(host: ModelHost, prompt: Stream, num_samples: int, params: SamplingPa
     return SampleResponse(sequences=done)
 
 
-def compute_logprobs(host: ModelHost, prompt: Stream, temperature: float) -> list[float]:
-    """Per-token log-probs of the prompt's own tokens under the loaded version."""
+def compute_logprobs(host: ModelHost, version: int, prompt: Stream, temperature: float
+                     ) -> list[float]:
+    """Per-token log-probs of the prompt's own tokens under version `version` (the model's
+    forward, whatever the engine)."""
+    load_version(host, version)
     with torch.no_grad():
         logp, _ = token_logprobs(host.lm.model, [prompt], temperature, host.fmt.banned,
                                  host.pad_id)

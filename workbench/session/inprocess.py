@@ -11,7 +11,10 @@
 Every call returns a `concurrent.futures.Future`. All calls that touch the model run on one
 worker thread in submission order, so a forward_backward and an optim_step may both be submitted
 before either is awaited. A SamplingClient is bound to the weights version it was created with:
-it swaps that LoRA snapshot in for its calls and the trainer's weights back afterwards.
+it swaps that LoRA snapshot in for its calls and the trainer's weights back afterwards. With
+vLLM (an engine with weights of its own) its `sample` and `play` instead run in order on a
+second thread, from the version's snapshot, so a rollout can run while the trainer updates
+(`trainer.off_policy_steps=1`); `compute_logprobs` (the model's own forward) stays on the first.
 
 The behaviour is the public functions of `session.host`; the Ray backend (`workbench.cluster`)
 runs the same functions inside its trainer and sampler actors.
@@ -45,7 +48,7 @@ class SamplingClient:
         def run(h: ModelHost) -> Any:
             host.use_version(h, self.version)
             return fn(h)
-        return self._session.submit(run)
+        return self._session.submit_sampling(run)
 
     def sample(self, prompt: Stream, num_samples: int, sampling_params: SamplingParams,
                seed: int = 0) -> Future:
@@ -54,7 +57,8 @@ class SamplingClient:
 
     def compute_logprobs(self, prompt: Stream, temperature: float = 1.0) -> Future:
         """Per-token log-probs of the prompt's own tokens -> Future[list[float]] (first is 0)."""
-        return self._submit(lambda h: host.compute_logprobs(h, prompt, temperature))
+        v = self.version  # the model's own forward: on the trainer's lane
+        return self._session.submit(lambda h: host.compute_logprobs(h, v, prompt, temperature))
 
     def play(self, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
              params: SamplingParams, seed: int) -> Future:
@@ -146,24 +150,40 @@ class TrainingClient:
 
 
 class Session:
-    """An in-process session: one model host and the thread that runs its calls in order."""
+    """An in-process session: one model host and the thread that runs its calls in order. With
+    an engine that samples from weights of its own (vLLM), sampling calls run in order on a
+    second thread, the sampler lane, beside the trainer's calls (`overlaps_sampling`)."""
 
     recoverable_errors: tuple[type[BaseException], ...] = ()  # nothing to reopen in-process
 
     def __init__(self, model_host: ModelHost, spec: SessionSpec | None = None) -> None:
         self.host, self.spec = model_host, spec
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="workbench-session")
+        self._sampler_pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="workbench-sampler") \
+            if model_host.engine.samples_own_weights else self._pool
         self.training_client = TrainingClient(self)
 
     @property
     def workdir(self) -> Path:
         return self.host.workdir
 
+    @property
+    def overlaps_sampling(self) -> bool:
+        """Whether sampling calls run beside the trainer's (a lane of their own)."""
+        return self._sampler_pool is not self._pool
+
     def submit(self, fn: Callable[[ModelHost], Any]) -> Future:
-        """Queue fn(host) behind every call submitted before it."""
+        """Queue fn(host) behind every call submitted before it (on the sampler lane too)."""
         return self._pool.submit(fn, self.host)
 
+    def submit_sampling(self, fn: Callable[[ModelHost], Any]) -> Future:
+        """Queue a sampling call fn(host): behind the sampling calls before it, and beside the
+        trainer's when the session `overlaps_sampling` (else behind every call)."""
+        return self._sampler_pool.submit(fn, self.host)
+
     def close(self) -> None:
+        self._sampler_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:
@@ -175,7 +195,7 @@ class Session:
     def speed_metrics(self) -> Future:
         """`speed/*` of the host: 1.0 per fast path running, 0.0 per one that fell back
         -> Future[dict[str, float]]."""
-        return self.submit(host.speed_metrics)
+        return self.submit_sampling(host.speed_metrics)  # in order with the rollouts
 
     def describe(self) -> dict[str, Any]:
         """Model source, base hash, LoRA settings (for manifests)."""

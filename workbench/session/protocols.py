@@ -77,6 +77,9 @@ class SessionLike(Protocol):
     @property
     def recoverable_errors(self) -> tuple[type[BaseException], ...]: ...
 
+    @property
+    def overlaps_sampling(self) -> bool: ...  # sampling runs beside the trainer's calls
+
     def report_metrics(self, row: dict[str, Any], run: str) -> Future: ...
 
     def speed_metrics(self) -> Future: ...
