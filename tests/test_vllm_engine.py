@@ -101,6 +101,7 @@ class FakeVLLM:
     loaded: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)  # merged pushes
     payloads: list[type] = field(default_factory=list)  # bytes (shared) or list (in-process)
     resets: int = 0  # reset_prefix_cache() calls
+    shutdowns: int = 0  # llm_engine.engine_core.shutdown() calls
     encoder_resets: int = 0  # llm_engine.reset_encoder_cache() calls
 
     def logprob(self, call: int, position: int) -> float:
@@ -164,10 +165,15 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
     class LLM:
         def __init__(self, **kwargs: Any) -> None:
             state.llm_kwargs.append(kwargs)
-            self.llm_engine = types.SimpleNamespace(reset_encoder_cache=self._encoder_reset)
+            self.llm_engine = types.SimpleNamespace(
+                reset_encoder_cache=self._encoder_reset,
+                engine_core=types.SimpleNamespace(shutdown=self._shutdown))
 
         def _encoder_reset(self) -> None:
             state.encoder_resets += 1
+
+        def _shutdown(self) -> None:
+            state.shutdowns += 1
 
         def generate(self, *args: Any, **kwargs: Any) -> list[FakeRequestOutput]:
             return state.generate(*args, **kwargs)
@@ -362,6 +368,19 @@ def test_llm_built_with_lora_prefix_caching_and_memory_share(vllm_session: Sessi
     assert kwargs["limit_mm_per_prompt"] == {"image": 16}
     assert kwargs["disable_log_stats"] is False  # the prefix-cache counters are kept
     assert [max_lora_rank(r) for r in (4, 8, 20, 32)] == [8, 8, 32, 32]
+
+
+def test_closing_a_session_stops_vllm(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                      tmp_path: Path) -> None:
+    """Session.close() stops vLLM's engine core (its process and GPU share) at once, not at
+    interpreter exit: on the H200 a fourth session in one process found 11 of 140 GiB free."""
+    session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "c"),
+                                         dtype="bfloat16", engine=EngineSettings("vllm")))
+    assert fake_vllm.shutdowns == 0
+    session.close()
+    assert fake_vllm.shutdowns == 1
+    session.close()  # twice is fine
+    assert fake_vllm.shutdowns == 1
 
 
 def test_sample_sends_version_adapter_and_params(vllm_session: Session, fake_vllm: FakeVLLM,

@@ -90,6 +90,10 @@ class Engine(Protocol):
         """Version `version` will not be used again."""
         ...
 
+    def close(self) -> None:
+        """Free what the engine holds outside this process's objects (vLLM: its engine core)."""
+        ...
+
 
 @dataclass
 class TransformersRows:
@@ -136,5 +140,8 @@ class TransformersEngine:
 
     def drop_version(self, version: int) -> None:
         """Nothing to do."""
+
+    def close(self) -> None:
+        """Nothing to do: the model is the session's."""
 
 

@@ -39,6 +39,7 @@ import hashlib
 import importlib
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -281,6 +282,7 @@ class VLLMEngine:
         self.model: Any = None  # the peft model whose versions are merged (merged only)
         self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
         self.generate_s = 0.0  # seconds inside LLM.generate since the last cache_metrics()
+        self.closed = False  # close() stopped vLLM's engine core
         dtype = str(lm.model.dtype).removeprefix("torch.")
         length = checked_max_len(settings, dtype, model_max_len(lm.model.config))
         if torch.cuda.is_available():
@@ -321,6 +323,21 @@ class VLLMEngine:
     def drop_version(self, version: int) -> None:
         """Delete the version's folder (vLLM's LRU evicts the loaded copy: max_loras=1)."""
         shutil.rmtree(self.adapter_folder(version), ignore_errors=True)
+
+    def close(self) -> None:
+        """Stop vLLM's engine core now (its process and its GPU share), not when this process
+        ends: a notebook that closes a session and opens another gets the memory back. Twice is
+        fine."""
+        if self.closed:
+            return
+        self.closed = True
+        core: Any = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if not hasattr(core, "shutdown"):
+            warnings.warn("this vLLM has no llm_engine.engine_core.shutdown() (0.26.0 has): "
+                          "its GPU memory is freed only when this process ends", RuntimeWarning,
+                          stacklevel=2)
+            return
+        core.shutdown()
 
     def cache_metrics(self) -> dict[str, float]:
         """`vllm/*`: prompt tokens looked up in the prefix cache since the last call, and the

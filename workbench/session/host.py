@@ -152,6 +152,11 @@ def trainable_bytes(host: ModelHost) -> int:
     return sum(p.numel() * p.element_size() for p in host.trainable().values())
 
 
+def close(host: ModelHost) -> None:
+    """Free what the host's sampler engine holds beyond its objects (vLLM's engine core)."""
+    host.engine.close()
+
+
 # ------------------------------------------------------------------- sampler weight versions
 
 def trainer_weights(host: ModelHost) -> None:

@@ -183,8 +183,10 @@ class Session:
         return self._sampler_pool.submit(fn, self.host)
 
     def close(self) -> None:
+        """Finish the queued calls, then free the sampler engine (vLLM's process and GPU share)."""
         self._sampler_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
+        host.close(self.host)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:
         """Nothing to report to in-process (on Ray: Ray's metrics) -> Future[0]."""
