@@ -191,13 +191,17 @@ def test_off_policy_samples_ahead_and_resumes_exactly(sft_model: str, tmp_path: 
     from workbench.rl.train import train
     from workbench.session.inprocess import create_session_from_state
 
+    lines: list[str] = []
+
     def run(folder: str, extra: list[str]) -> Path:
         config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path / folder,
                                                              OFF_POLICY + extra))
-        train(config, log=lambda *_: None)
+        train(config, log=lines.append)
         return tmp_path / folder
 
     straight = run("straight", ["trainer.resume_mode=none"])
+    [told] = [x for x in lines if x.startswith("trainer.off_policy_steps=1")]  # once a run
+    assert "generator.engine=transformers in-process" in told and "no overlap" in told
     run("stopped", ["trainer.resume_mode=none", "trainer.total_steps=2"])
     resumed = run("stopped", ["trainer.resume_mode=latest"])
     rows = [r for r in read_metrics(straight) if "reward/mean" in r]
