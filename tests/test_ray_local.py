@@ -116,7 +116,8 @@ def ray_run(local_ray, inprocess_run: Path, sft_model: str, small_run: list[str]
         session = trainer.session
         return {"run_dir": run_dir, "backend": session.describe()["backend"],
                 "bundles": session.plan.bundles, "names": session.actor_names,
-                "placed": actor_bundles(session.placement_group)}
+                "placed": actor_bundles(session.placement_group),
+                "exported": _exported_metrics(run_dir)}  # while trainer 0 (their source) lives
     finally:
         trainer.session.close()
 
@@ -164,22 +165,39 @@ def _prometheus_values(port: int, names: list[str], run: str) -> dict[str, float
     return out
 
 
-def test_step_metrics_reach_rays_metrics_endpoint(local_ray, ray_run: dict) -> None:
-    import ray
-
-    rows = read_metrics(ray_run["run_dir"])
+def _metric_names(run_dir: Path) -> tuple[dict[str, float], str]:
+    """The Prometheus names and values the run's last step and eval should export, and the name
+    of the rollout time (a value not known in advance)."""
+    rows = read_metrics(run_dir)
     last_step = [r for r in rows if "reward/mean" in r][-1]
     last_eval = [r for r in rows if "eval/n_mazes" in r][-1]
     want = {"ray_" + gauge_name(k): float(v) for k, v in (
         ("reward/mean", last_step["reward/mean"]), ("update/datums", last_step["update/datums"]),
         ("rollout/success_rate", last_step["rollout/success_rate"]),
         ("eval/greedy_solved", last_eval["eval/greedy_solved"]))}
-    rollout_time = "ray_" + gauge_name("time/rollout")
+    return want, "ray_" + gauge_name("time/rollout")
+
+
+def _exported_metrics(run_dir: Path) -> dict[str, float]:
+    """What the node's metrics endpoint shows for the run, once it shows every expected name
+    (Ray exports every few seconds: waiting for that event), or after 120 s."""
+    import ray
+
+    want, rollout_time = _metric_names(run_dir)
     names, port = [*want, rollout_time], ray.nodes()[0]["MetricsExportPort"]
     deadline, seen = time.monotonic() + 120, {}
     while seen.keys() != set(names) and time.monotonic() < deadline:
-        time.sleep(0.5)  # Ray exports every few seconds: waiting for that event
-        seen = _prometheus_values(port, names, "ray-metrics-run")
+        time.sleep(0.5)
+        seen = _prometheus_values(port, names, run_dir.name)
+    return seen
+
+
+def test_step_metrics_reach_rays_metrics_endpoint(ray_run: dict) -> None:
+    """The last step's and eval's metrics, set as gauges in trainer worker 0, reach the node's
+    Prometheus endpoint. They are read while the run's actors live: read after a later Ray run
+    in this module (the off-policy one) had come and gone, the endpoint showed none of them."""
+    want, rollout_time = _metric_names(ray_run["run_dir"])
+    seen = dict(ray_run["exported"])
     assert seen.pop(rollout_time, 0.0) > 0.0, seen
     assert seen == want
 
