@@ -317,11 +317,16 @@ def ray_session(args: argparse.Namespace, workers: int, engines: int, colocate: 
     return session
 
 
+def on_ray(session: Any) -> bool:
+    """A Ray session (its actors hold the GPU), not an in-process one (this process does)."""
+    return hasattr(session, "memory")
+
+
 def memory_line(session: Any) -> tuple[str, dict[str, Any]]:
     """Each actor's GPU memory (a Ray session), or this process's and its vLLM's (in-process)."""
     from workbench.cluster.workers import device_memory, vllm_memory
 
-    mem = session.memory() if hasattr(session, "memory") else {
+    mem = session.memory() if on_ray(session) else {
         "trainers": [device_memory()], "engines": [vllm_memory(session.host.engine)]}
     parts = [f"{kind[:-1]} {k}: reserved {m.get('reserved', 0) / 1e9:.1f} GB peak "
              f"{m.get('peak', 0) / 1e9:.1f} GB, device used {m.get('device_used', 0) / 1e9:.1f} GB"
@@ -488,7 +493,7 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
         return phases.start_rollout(sampler, maze(args), states, args.group, params, seed)
 
     pending, rows = None, []
-    device = torch.device(args.device if not hasattr(session, "memory") else "cpu")
+    device = torch.device("cpu" if on_ray(session) else args.device)  # cpu: no busy figures
     for k in range(steps):
         with GpuBusy(device) as busy:  # in-process only: a Ray driver has no GPU
             t0 = time.perf_counter()

@@ -302,14 +302,13 @@ class VLLMEngine:
             return
         model.save_pretrained(str(self.adapter_folder(version)))
 
-    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
+    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None) -> None:
         """Sample with version `version` from now on: its adapter, or (merged) its weights,
-        merged from `tensors` (the version's snapshot; None: the model's own LoRA) if vLLM holds
-        another version."""
+        merged from `tensors` (the version's snapshot) if vLLM holds another version."""
         if self.merged:
-            if self.model is None:
+            if self.model is None or tensors is None:
                 raise FileNotFoundError(f"sampler version {version} was never added "
-                                        "(add_version was not called)")
+                                        "(add_version was not called, or no snapshot given)")
             if version != self.merged_version:
                 push_merged(self.llm, self.model, tensors)
                 self.merged_version = version

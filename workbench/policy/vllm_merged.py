@@ -7,8 +7,9 @@ the base model runs, no LoRA kernels in the decode or prefill. On one H200 at th
 that is vLLM's own loop without its LoRA cost (benchmarks/RESULTS.md, issue 16).
 
 How a version travels (same GPU):
-1. `merged_weights(model)`: for every LoRA linear of the peft model, its HF checkpoint name and
-   its merged weight (policy.fused.merged_weight: float32 sum, rounded once to bf16);
+1. `merged_weights(model, tensors)`: for every LoRA linear of the peft model, its HF checkpoint
+   name and its weight merged with the version's snapshot `tensors` (policy.fused.merged_weight:
+   float32 sum, rounded once to bf16);
 2. `share(chunk)`: each tensor as a CUDA IPC handle (CPU tensors travel by value), when vLLM's
    engine runs in its own process (vLLM's default); the tensors themselves when it runs in this
    one (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as in the Ray engine actors: its calls are not
@@ -72,18 +73,17 @@ def snapshot_factors(tensors: dict[str, torch.Tensor], name: str, module: Any
             for a in module.lora_A}
 
 
-def merged_weights(model: Any, tensors: dict[str, torch.Tensor] | None = None,
+def merged_weights(model: Any, tensors: dict[str, torch.Tensor],
                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """The model's LoRA linears merged (W + scale * B @ A, bf16), in chunks of about
-    `chunk_bytes`: each chunk a list of (HF weight name, tensor). A and B are the model's own,
-    or (`tensors`) a snapshot's: then only the frozen base weights are read from the model, so a
-    trainer may update its LoRA meanwhile."""
+    """The model's LoRA linears merged with a version's snapshot `tensors` (W + scale * B @ A,
+    bf16), in chunks of about `chunk_bytes`: each chunk a list of (HF weight name, tensor). Only
+    the frozen base weights are read from the model, so a trainer may update its LoRA
+    meanwhile."""
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
     with torch.no_grad():
         for name, module in lora_linears(model):
-            factors = None if tensors is None else snapshot_factors(tensors, name, module)
-            weight = merged_weight(module, factors)
+            weight = merged_weight(module, snapshot_factors(tensors, name, module))
             chunk.append((hf_name(name), weight))
             size += weight.numel() * weight.element_size()
             if size >= chunk_bytes:
@@ -151,9 +151,9 @@ class MergedWeightsWorker:
         return len(weights)
 
 
-def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor] | None = None,
+def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor],
                 chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Merge the model's LoRA (or the snapshot `tensors` of a version) into vLLM's weights,
+    """Merge a version's snapshot `tensors` with the model's base weights into vLLM's weights,
     chunk by chunk; then drop vLLM's prefix cache (its KV was computed with the old weights).
     Returns the number of tensors loaded."""
     loaded, in_process, vision = 0, engine_in_process(), False

@@ -174,7 +174,8 @@ class Session:
         return self._sampler_pool is not self._pool
 
     def submit(self, fn: Callable[[ModelHost], Any]) -> Future:
-        """Queue fn(host) behind every call submitted before it (on the sampler lane too)."""
+        """Queue fn(host) behind the trainer's calls submitted before it (and every sampling
+        call too, unless the session `overlaps_sampling`)."""
         return self._pool.submit(fn, self.host)
 
     def submit_sampling(self, fn: Callable[[ModelHost], Any]) -> Future:
