@@ -179,14 +179,20 @@ def _metric_names(run_dir: Path) -> tuple[dict[str, float], str]:
 
 
 def _exported_metrics(run_dir: Path) -> dict[str, float]:
-    """What the node's metrics endpoint shows for the run, once it shows every expected name
-    (Ray exports every few seconds: waiting for that event), or after 120 s."""
+    """What the node's metrics endpoint shows for the run, once it shows the last step's values
+    (Ray's agent exports what the worker reported some seconds before: right after a run, the
+    endpoint may still show an earlier step's values; waiting for that event), or after 120 s."""
     import ray
 
     want, rollout_time = _metric_names(run_dir)
     names, port = [*want, rollout_time], ray.nodes()[0]["MetricsExportPort"]
     deadline, seen = time.monotonic() + 120, {}
-    while seen.keys() != set(names) and time.monotonic() < deadline:
+
+    def caught_up(values: dict[str, float]) -> bool:
+        return ({k: v for k, v in values.items() if k != rollout_time} == want
+                and values.get(rollout_time, 0.0) > 0.0)
+
+    while not caught_up(seen) and time.monotonic() < deadline:
         time.sleep(0.5)
         seen = _prometheus_values(port, names, run_dir.name)
     return seen
