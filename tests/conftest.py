@@ -18,8 +18,15 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 @pytest.fixture(scope="session", autouse=True)
 def workbench_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """$WORKBENCH_CACHE points at a session temp dir, so no test touches ~/.cache."""
-    root = tmp_path_factory.mktemp("workbench-cache")
+    """$WORKBENCH_CACHE points at a temp dir of this test run, so no test touches ~/.cache.
+    The pytest-xdist workers of `make test` share it: the first to need tiny-sft builds it, and
+    the other waits on the build's lock (model/tiny.py, build_atomically) instead of repeating
+    it."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = tmp_path_factory.getbasetemp().parent / "workbench-cache"
+        root.mkdir(exist_ok=True)
+    else:
+        root = tmp_path_factory.mktemp("workbench-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("WORKBENCH_CACHE", str(root))
         yield root
@@ -243,6 +250,7 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    parallel = bool(os.environ.get("PYTEST_XDIST_WORKER"))
     for item in items:
         module = item.path.stem
         name = getattr(item, "originalname", item.name)
@@ -251,3 +259,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             markers.update(FIXTURE_MARKERS.get(fixture, ()))
         for marker in sorted(markers):
             item.add_marker(marker)
+        if parallel:  # one worker runs all of Ray's tests, one at a time; a module stays together
+            item.add_marker(pytest.mark.xdist_group("ray" if "ray" in markers else module))
+    if parallel:  # Ray's tests first: the longest group, so the two workers end together
+        items.sort(key=lambda item: item.get_closest_marker("ray") is None)

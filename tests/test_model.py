@@ -114,6 +114,37 @@ def test_load_tiny_by_name_uses_cache(tiny_dir: Path, workbench_cache: Path) -> 
     assert tiny_path() == tiny_dir  # second call reuses the built folder
 
 
+def test_a_build_holds_its_lock_and_is_never_repeated(tmp_path: Path) -> None:
+    """build_atomically builds a folder once: during the build the lock beside it is held (a
+    second process would wait there), after it a second call finds the folder and builds
+    nothing; a failed build leaves neither the folder nor its temp copy."""
+    import fcntl
+
+    from workbench.model.tiny import build_atomically
+
+    final, calls = tmp_path / "models" / "thing", []
+
+    def build(tmp: Path) -> None:
+        with open(final.parent / ".thing.lock") as other:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        (tmp / "made").write_text(str(len(calls)))
+        calls.append(tmp)
+
+    build_atomically(final, build)
+    build_atomically(final, build)
+    assert len(calls) == 1 and (final / "made").read_text() == "0"
+
+    def fail(tmp: Path) -> None:
+        (tmp / "half").write_text("")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        build_atomically(tmp_path / "models" / "broken", fail)
+    assert sorted(p.name for p in final.parent.iterdir()) == [".broken.lock", ".thing.lock",
+                                                              "thing"]
+
+
 # ---------------------------------------------------------------- tokenizer
 
 

@@ -23,6 +23,7 @@ single-turn move accuracy passed 60% after 9,600 images instead of ~45,000 (docs
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -171,15 +172,17 @@ def tiny_path(spec: TinySpec = TinySpec(), root: str | Path | None = None) -> Pa
 
 def build_atomically(final: Path, build: Callable[[Path], Any]) -> None:
     """Run build(tmp) into a temporary folder beside `final`, then rename it to `final`; a
-    failed build leaves nothing, and a concurrent build that finished first is kept."""
+    failed build leaves nothing. One build at a time per folder (a lock file beside it): a
+    second process asking meanwhile waits, then finds the first's copy instead of repeating it."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=final.parent))
-    try:
-        build(tmp)
-        if final.exists():  # a concurrent build finished first; keep its copy
-            shutil.rmtree(tmp)
-        else:
+    with open(final.parent / f".{final.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if final.exists():
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f".building-{final.name}-", dir=final.parent))
+        try:
+            build(tmp)
             os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
