@@ -32,11 +32,11 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Two pytest-xdist workers: one runs Ray's tests in turn while the other runs the rest
-# (tests/conftest.py makes the groups). `PYTEST_WORKERS=0` runs them in this process.
+# Two pytest-xdist workers: one runs the Ray modules in turn while the other runs the rest
+# (tests/conftest.py, pytest_xdist_make_scheduler). `PYTEST_WORKERS=0` runs them in this process.
 PYTEST_WORKERS ?= 2
 test: setup lint typecheck
-	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS)
 
 # The inner loop (under 3 min on 2 cores): the markers are assigned in tests/conftest.py.
 test-fast: setup lint typecheck

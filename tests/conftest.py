@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -250,7 +251,6 @@ FIXTURE_MARKERS: dict[str, tuple[str, ...]] = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    parallel = bool(os.environ.get("PYTEST_XDIST_WORKER"))
     for item in items:
         module = item.path.stem
         name = getattr(item, "originalname", item.name)
@@ -259,7 +259,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             markers.update(FIXTURE_MARKERS.get(fixture, ()))
         for marker in sorted(markers):
             item.add_marker(marker)
-        if parallel:  # one worker runs all of Ray's tests, one at a time; a module stays together
-            item.add_marker(pytest.mark.xdist_group("ray" if "ray" in markers else module))
-    if parallel:  # Ray's tests first: the longest group, so the two workers end together
-        items.sort(key=lambda item: item.get_closest_marker("ray") is None)
+
+
+# `make test` runs pytest-xdist's two workers. The modules that start Ray run on one worker, in
+# turn: two Ray instances at once would share the fixed ports (dashboard, Ray Client) and the two
+# cores. Each other module goes to one worker whole, so its module fixtures run once.
+RAY_MODULES = ("test_notebooks", "test_ray_local", "test_ray_remote", "test_serve")
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, only called under `pytest -n N`
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayOnOneWorker(LoadScopeScheduling):
+        """Work units: "ray" for the Ray modules, else the test's module (the largest unit is
+        sent first: Ray's)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "ray" if Path(module).stem in RAY_MODULES else module
+
+    return RayOnOneWorker(config, log)
