@@ -259,12 +259,27 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             markers.update(FIXTURE_MARKERS.get(fixture, ()))
         for marker in sorted(markers):
             item.add_marker(marker)
+        if "ray" in markers and not in_ray_unit(item.nodeid):
+            raise pytest.UsageError(f"{item.nodeid} starts Ray but is not in RAY_UNIT "
+                                    "(tests/conftest.py): add its module or name there")
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the Ray unit first: the longest to run
+        items.sort(key=lambda item: not in_ray_unit(item.nodeid))
 
 
-# `make test` runs pytest-xdist's two workers. The modules that start Ray run on one worker, in
-# turn: two Ray instances at once would share the fixed ports (dashboard, Ray Client) and the two
-# cores. Each other module goes to one worker whole, so its module fixtures run once.
-RAY_MODULES = ("test_notebooks", "test_ray_local", "test_ray_remote", "test_serve")
+# ------------------------------------------------------------------ two workers (pytest-xdist)
+# `make test` runs two pytest-xdist workers. Every test that starts Ray runs on one worker, in
+# turn (two Ray instances at once would meet on the fixed ports: dashboard, Ray Client); each
+# other module goes to a worker whole, so its module fixtures run once. The scheduler sees only
+# test ids, so the Ray unit is named here; collection checks it holds every `ray` test.
+RAY_UNIT = ("test_ray_local.py", "test_ray_remote.py", "test_serve.py",
+            "test_notebooks.py::test_06_serve_on_local_ray",
+            "test_notebooks.py::test_07_session_api_on_local_ray")
+
+
+def in_ray_unit(nodeid: str) -> bool:
+    """Whether a test id ("tests/test_x.py::test_y[param]") belongs to the Ray unit."""
+    module, _, name = nodeid.rpartition("/")[2].partition("::")
+    return module in RAY_UNIT or f"{module}::{name.split('[')[0]}" in RAY_UNIT
 
 
 @pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist, only called under `pytest -n N`
@@ -272,11 +287,34 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     from xdist.scheduler import LoadScopeScheduling
 
     class RayOnOneWorker(LoadScopeScheduling):
-        """Work units: "ray" for the Ray modules, else the test's module (the largest unit is
-        sent first: Ray's)."""
+        """Work units: "ray" (sent first, as collected), else the test's module."""
 
         def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "ray" if Path(module).stem in RAY_MODULES else module
+            return "ray" if in_ray_unit(nodeid) else nodeid.split("::", 1)[0]
 
+    config.option.loadscopereorder = False  # keep the collection's order: the Ray unit first
     return RayOnOneWorker(config, log)
+
+
+def _short_temp_dir() -> Iterator[Path]:
+    """A short folder for a Ray instance's session files, removed afterwards: Ray's sockets live
+    in it, and a socket path ends at 107 bytes (a pytest temp folder under an xdist worker's,
+    /tmp/pytest-of-USER/pytest-N/popen-gwK/..., is too long)."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="wb-ray-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def ray_temp_dir() -> Iterator[Path]:
+    """The module's Ray instance's folder (`_short_temp_dir`)."""
+    yield from _short_temp_dir()
+
+
+@pytest.fixture
+def another_ray_temp_dir() -> Iterator[Path]:
+    """A test's own second Ray instance's folder (`_short_temp_dir`)."""
+    yield from _short_temp_dir()

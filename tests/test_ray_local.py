@@ -59,13 +59,12 @@ ON_RAY = ["cluster.address=local", "trainer.colocate_all=false"]
 
 
 @pytest.fixture(scope="module")
-def local_ray(tmp_path_factory: pytest.TempPathFactory):
+def local_ray(ray_temp_dir: Path):
     """One local Ray instance for the module (token auth off, usage stats off)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("RAY_AUTH_MODE", "disabled")
         mp.setenv("RAY_USAGE_STATS_ENABLED", "0")
-        info = connect("local", num_cpus=2, dashboard=True,
-                       temp_dir=tmp_path_factory.mktemp("ray"))
+        info = connect("local", num_cpus=2, dashboard=True, temp_dir=ray_temp_dir)
         yield info
         disconnect()
 

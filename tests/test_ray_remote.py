@@ -85,9 +85,9 @@ def _stop_head(proc: subprocess.Popen) -> None:
 
 
 @pytest.fixture(scope="module")
-def head(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Head]:
+def head(ray_temp_dir: Path) -> Iterator[Head]:
     """A head node for the module's tests; stopped at module end."""
-    proc, head = _start_head(tmp_path_factory.mktemp("head"))
+    proc, head = _start_head(ray_temp_dir)
     try:
         yield head
     finally:
@@ -195,12 +195,11 @@ def test_a_killed_driver_resumes_on_the_cluster_with_resume_mode_latest(
 
 
 def test_a_vanished_cluster_gives_a_clear_error_and_keeps_the_checkpoints(
-        sft_model: str, small_run: list[str], tmp_path: Path,
-        tmp_path_factory: pytest.TempPathFactory) -> None:
+        sft_model: str, small_run: list[str], tmp_path: Path, another_ray_temp_dir: Path) -> None:
     """Tear a head node down under a running Ray Client driver: it exits with rc 3 and one
     message naming the cluster, the newest complete checkpoint and the command that goes on;
     that checkpoint resumes (in-process)."""
-    proc, lost = _start_head(tmp_path_factory.mktemp("lost"))  # short: Ray's socket paths
+    proc, lost = _start_head(another_ray_temp_dir)
     run_dir = tmp_path / "run"
     args = ["train", *_overrides(small_run, sft_model, run_dir), "trainer.total_steps=100000",
             f"cluster.address={lost.client_address}"]

@@ -249,7 +249,7 @@ def test_api_key_is_required(client) -> None:
 
 
 @pytest.fixture(scope="module")
-def live_server(s3_server: str, lora_adapters: dict[str, Path], tiny_dir: Path,
+def live_server(s3_server: str, lora_adapters: dict[str, Path], tiny_dir: Path, ray_temp_dir: Path,
                 tmp_path_factory: pytest.TempPathFactory):
     """`python -m workbench serve` with 2 replicas on 127.0.0.1, adapters on S3 (cache 2)."""
     if not HAVE_SERVE:
@@ -268,7 +268,7 @@ def live_server(s3_server: str, lora_adapters: dict[str, Path], tiny_dir: Path,
     cmd = [sys.executable, "-m", "workbench", "serve", "--model", str(tiny_dir), "--served-name",
            "tiny", "--adapters", store.root, "--endpoint-url", s3_server, "--replicas", "2",
            "--cache-size", "2", "--cpus-per-replica", "0.5", "--port", str(port),
-           "--num-cpus", "2", "--temp-dir", str(tmp / "ray")]
+           "--num-cpus", "2", "--temp-dir", str(ray_temp_dir)]
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
