@@ -32,7 +32,7 @@ lint: setup
 typecheck: setup
 	$(BIN)/mypy
 
-# Two pytest-xdist workers: one runs the Ray modules in turn while the other runs the rest
+# Two pytest-xdist workers: one runs the tests that start Ray in turn, the other the rest
 # (tests/conftest.py, pytest_xdist_make_scheduler). `PYTEST_WORKERS=0` runs them in this process.
 PYTEST_WORKERS ?= 2
 test: setup lint typecheck
