@@ -1,7 +1,7 @@
 """Benchmarks (`make bench`): print medians; nothing here is asserted by tests.
 
 - env: maze steps/s with rendering (image + ascii observation), one thread.
-- sampling: tiny default, batch of 64 episodes of 7x7 mazes: prefill tokens/s of the first
+- sampling: tiny default, batch of 64 episodes of 9x9 mazes: prefill tokens/s of the first
   prompt and decode tokens/s (KV cache), plus a full 15-turn model rollout (turns/s).
 - serving: the OpenAI endpoint on Ray Serve, requests/s and median latency, with and without
   adapter switching (alone: `python -c "import sys; sys.path.insert(0, 'benchmarks');
@@ -47,8 +47,8 @@ def _median_time(fn, repeats: int) -> float:
 
 
 def bench_env(steps: int = 2000, repeats: int = 5) -> float:
-    """Median env steps/s (7x7 at the default 16 px, rendering every step)."""
-    env, rng = MazeEnv(MazeConfig(size=7)), np.random.default_rng(0)
+    """Median env steps/s (9x9 at the default 16 px, rendering every step)."""
+    env, rng = MazeEnv(MazeConfig(size=9)), np.random.default_rng(0)
     words = ("up", "down", "left", "right")
 
     def run() -> None:
@@ -65,9 +65,9 @@ def bench_sampling(batch: int = 64, new_tokens: int = 8, repeats: int = 5) -> di
     """Median prefill and decode tokens/s for `batch` first-turn prompts."""
     lm = load_model("tiny")
     fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
-    config = MazeConfig(size=7)
+    config = MazeConfig(size=9)
     streams = []
-    for state in eval_set(7, batch):
+    for state in eval_set(9, batch):
         env = MazeEnv(config)
         obs, info = env.reset(options={"init_state": state})
         s = start_stream(lm.processor, fmt, "You are in a maze.")
@@ -94,7 +94,7 @@ def bench_sampling(batch: int = 64, new_tokens: int = 8, repeats: int = 5) -> di
 def bench_rollout(mazes: int = 8, group: int = 8, repeats: int = 3) -> dict[str, float]:
     """Median seconds for a 15-turn rollout of mazes x group episodes (untrained model)."""
     lm = load_model("tiny")
-    config, states = MazeConfig(size=7), eval_set(7, mazes)
+    config, states = MazeConfig(size=9), eval_set(9, mazes)
     params = SamplingParams(max_tokens=2, temperature=1.0)
     turns = []
 
@@ -107,7 +107,7 @@ def bench_rollout(mazes: int = 8, group: int = 8, repeats: int = 3) -> dict[str,
 
 
 def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
-    """Median per-phase seconds of one GRPO step in the demo shape (8 mazes x 8 samples, 7x7,
+    """Median per-phase seconds of one GRPO step in the demo shape (8 mazes x 8 samples, 9x9,
     15 turns, LoRA 32). The untrained tiny model earns no reward, so advantages are set to +-1
     by episode parity: the update does the same work as with real signal."""
     import resource
@@ -141,7 +141,7 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
                   for k, ep in enumerate(ro.flat)]
         up = phases.update(tc, datums, "ppo", LossConfig(reduction="token_mean"),
                            AdamParams(learning_rate=1e-4))
-        ev = phases.evaluate(sampler, config.maze, eval_set(7, 64), greedy=True,
+        ev = phases.evaluate(sampler, config.maze, eval_set(9, 64), greedy=True,
                              sampled_passes=0, max_tokens=2)
         sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
         tokens = sum(len(d.stream) for d in datums)
@@ -195,6 +195,69 @@ def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
     return out
 
 
+def bench_shared_prefix(repeats: int = 5) -> dict[str, float]:
+    """Median seconds of the update of one rollout's 64 episodes (8 mazes x 8 samples, LoRA 32
+    with the vision tower) with each maze's first prompt run once (trainer.share_prefix) and
+    run for every episode."""
+    from dataclasses import replace
+
+    from workbench.config import PRESETS
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_mazes
+    from workbench.session import (
+        AdamParams,
+        LossConfig,
+        SessionSpec,
+        create_session,
+        datum_from_stream,
+    )
+
+    config = PRESETS["tiny"]
+    session = create_session(SessionSpec("tiny", config.lora.settings,
+                                         workdir="/tmp/workbench-bench"))
+    tc, host = session.training_client, session.host
+    sampler = tc.save_weights_and_get_sampling_client()
+    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
+                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
+    out = {"tokens": sum(len(d.stream) for d in datums),
+           "prefix": datums[0].stream.loss_mask_T.index(1)}
+    for label in ("every_episode", "shared", "every_episode", "shared"):  # alternated
+        host.speed = replace(host.speed, share_prefix=label == "shared")
+        seconds = _median_time(lambda: phases.update(
+            tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
+            AdamParams(learning_rate=1e-6)), repeats)
+        out[label] = min(out.get(label, seconds), seconds)
+    session.close()
+    return out
+
+
+def bench_dynamic_sampling(steps: int = 6) -> dict[str, dict[str, float]]:
+    """The demo's first `steps` GRPO steps from tiny-sft (`demo.DEMO_OVERRIDES`), without and
+    with trainer.dynamic_sampling=2: median seconds a step, datums a step, groups rolled out."""
+    import tempfile
+
+    from workbench.demo import demo_config
+    from workbench.rl.train import start, train_step
+
+    out = {}
+    for rounds in (0, 2):
+        with tempfile.TemporaryDirectory() as folder:
+            config = demo_config(Path(folder), overrides=(
+                f"trainer.total_steps={steps}", f"trainer.dynamic_sampling={rounds}",
+                "trainer.ckpt_interval=0", "trainer.hf_save_interval=0",
+                "trainer.keep_step_records=false"))
+            trainer = start(config, log=lambda *_: None)
+            try:
+                rows = [train_step(trainer) for _ in range(steps)]
+            finally:
+                trainer.session.close()
+        out[f"rounds_{rounds}"] = {k: statistics.median(r[key] for r in rows) for k, key in (
+            ("step_s", "time/step"), ("datums", "update/datums"),
+            ("groups", "rollout/groups_sampled"))}
+    return out
+
+
 def bench_optimizer(repeats: int = 20) -> dict[str, float]:
     """Median seconds of one AdamW step over every weight of the tiny model (what each step of
     the tiny-sft build and of `python -m workbench sft` pays): the per-tensor loop (torch's CPU
@@ -234,7 +297,7 @@ def _random_adapters(folder: Path, n: int, rank: int = 32) -> list[Path]:
 def bench_serving(requests: int = 64, concurrency: int = 8) -> dict[str, dict[str, float]]:
     """Requests/s with `concurrency` clients and median latency of one request at a time, of
     the endpoint (Ray Serve, 1 replica of 1 CPU, tiny default, adapter cache 2, LoRA r32) on
-    7x7 first-turn prompts with an image and 4-token replies: the base; one adapter; two
+    9x9 first-turn prompts with an image and 4-token replies: the base; one adapter; two
     adapters alternating (switching between resident adapters); three rotating (every request
     loads one adapter and evicts another)."""
     import os
@@ -256,9 +319,9 @@ def bench_serving(requests: int = 64, concurrency: int = 8) -> dict[str, dict[st
     endpoint = deploy.serve("tiny", adapters=store.root, replicas=1, port=8765, cache_size=2,
                             log=lambda *_: None)
     client = OpenAI(base_url=endpoint.base_url, api_key="none", max_retries=0)
-    config = MazeConfig(size=7)
+    config = MazeConfig(size=9)
     env = MazeEnv(config)
-    obs, info = env.reset(options={"init_state": eval_set(7, 1)[0]})
+    obs, info = env.reset(options={"init_state": eval_set(9, 1)[0]})
     messages = [{"role": "system", "content": system_prompt(config)}, {"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": image_data_url(obs["image"])}},
         {"type": "text", "text": user_text(obs, info, config)}]}]
@@ -291,7 +354,7 @@ def bench_serving(requests: int = 64, concurrency: int = 8) -> dict[str, dict[st
 def print_serving() -> None:
     """Run bench_serving and print its table."""
     v = bench_serving()
-    print("serving (Ray Serve, 1 replica x 1 CPU, tiny, 7x7 prompt with image, 4-token replies;"
+    print("serving (Ray Serve, 1 replica x 1 CPU, tiny, 9x9 prompt with image, 4-token replies;"
           " requests/s: 64 requests from 8 clients; latency: median of 32 one at a time):")
     for name, r in v.items():
         print(f"  {name:<30} {r['requests_per_s']:6.1f} requests/s, median latency "
@@ -308,7 +371,7 @@ def _demo_step(tc, config, step: int) -> float:
 
 
 def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:
-    """Median seconds per GRPO step of the demo shape (8 mazes x 8 samples, 7x7, 15 turns, LoRA
+    """Median seconds per GRPO step of the demo shape (8 mazes x 8 samples, 9x9, 15 turns, LoRA
     32), in-process and on a local Ray instance (1 trainer + 1 engine colocated, `threads` torch
     threads each, as in-process), the same steps alternated after one warm-up step each; then
     the rollout of one step (64 episodes) on 1 engine x `threads` threads vs 2 engines x 1."""
@@ -363,7 +426,7 @@ def print_ray(steps: int = 3) -> None:
     """Run bench_ray and print its figures."""
     r = bench_ray(steps)
     local, ray_s = r["step_s/in-process"], r["step_s/ray"]
-    print("GRPO step, demo shape (8 mazes x 8 samples, 7x7, 15 turns, LoRA 32, 2 threads), "
+    print("GRPO step, demo shape (8 mazes x 8 samples, 9x9, 15 turns, LoRA 32, 2 threads), "
           f"median of {steps} alternated: in-process {local:.2f} s, local Ray {ray_s:.2f} s "
           f"(overhead {100 * (ray_s / local - 1):+.1f}%)")
     for engines, label in ((1, "1 engine x 2 threads"), (2, "2 engines x 1 thread")):
@@ -375,7 +438,7 @@ def print_core() -> None:
     """The env, sampler, rollout and GRPO-step figures, the distinct-image update and AdamW
     (everything of `make bench` but serving and Ray)."""
     torch.set_num_threads(1)
-    print(f"env: {bench_env():,.0f} steps/s (7x7, 16 px, render every step, 1 thread)")
+    print(f"env: {bench_env():,.0f} steps/s (9x9, 16 px, render every step, 1 thread)")
     torch.set_num_threads(2)
     s = bench_sampling()
     print(f"sampling (tiny, batch 64, 2 threads): prefill {s['prefill_tokens_per_s']:,.0f} "
@@ -385,7 +448,7 @@ def print_core() -> None:
     print(f"rollout (tiny, 8 mazes x 8 samples, 15 turns, 2-token replies, 2 threads): "
           f"{r['rollout_s']:.2f} s, {r['turns_per_s']:.0f} turns/s")
     g = bench_grpo_step()
-    print("GRPO step (demo shape: 8 mazes x 8 samples, 7x7, 15 turns, LoRA 32, 2 threads), "
+    print("GRPO step (demo shape: 8 mazes x 8 samples, 9x9, 15 turns, LoRA 32, 2 threads), "
           f"median s: rollout {g['rollout']:.2f}, score {g['score']:.4f}, advantages "
           f"{g['advantages']:.4f}, update {g['update']:.2f}, eval (64 mazes greedy) "
           f"{g['eval']:.2f}")
@@ -396,6 +459,14 @@ def print_core() -> None:
           "median s: "
           f"every image encoded {d['every_occurrence']:.2f}, each distinct image once "
           f"{d['distinct']:.2f}")
+    p = bench_shared_prefix()
+    print(f"update of 64 episodes ({p['tokens']} tokens, a {p['prefix']}-token first prompt per "
+          f"maze), better of two medians, s: every episode's prompt {p['every_episode']:.2f}, "
+          f"each maze's prompt once {p['shared']:.2f}")
+    for rounds, r in bench_dynamic_sampling().items():
+        print(f"demo's first 6 GRPO steps, trainer.dynamic_sampling={rounds[-1]}, medians: "
+              f"{r['step_s']:.2f} s a step, {r['datums']:.0f} datums, {r['groups']:.0f} groups "
+              "rolled out")
     o = bench_optimizer()
     print(f"AdamW step over all {o['parameters'] / 1e6:.1f} M tiny weights (2 threads), median: "
           f"per-tensor loop {1e3 * o['loop']:.1f} ms, fused {1e3 * o['fused']:.1f} ms")

@@ -44,7 +44,7 @@ def tiny_dir(workbench_cache: Path) -> Path:
 @pytest.fixture(scope="session")
 def tiny_sft_dir(workbench_cache: Path) -> Path:
     """The pretrained tiny policy (the default model.name), built once per session under the
-    session cache exactly as a user's first `load_model("tiny-sft")` builds it (~4 min)."""
+    session cache exactly as a user's first `load_model("tiny-sft")` builds it (~5 min)."""
     from workbench.rl.pretrained import tiny_sft_path
 
     return tiny_sft_path()

@@ -185,7 +185,7 @@ def test_tiny_preset_is_the_default() -> None:
 
 def test_maze_takes_the_generators_turn_budget() -> None:
     cfg = RunConfig()
-    assert cfg.maze == MazeConfig(size=7, px_per_cell=16, grammar="keyword", max_turns=15,
+    assert cfg.maze == MazeConfig(size=9, px_per_cell=16, grammar="keyword", max_turns=15,
                                   reward="reach_goal", format_weight=0.0, observation="image")
     assert cfg.maze.max_turns == cfg.generator.max_turns
     assert apply_overrides(cfg, ["generator.max_turns=6"]).maze.max_turns == 6

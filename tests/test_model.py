@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.envs import MazeConfig, MazeEnv, system_prompt
+from workbench.envs import MazeConfig, MazeEnv, make_maze, render_image, system_prompt
 from workbench.model import (
     LoadedModel,
     LoraSettings,
@@ -22,11 +22,11 @@ from workbench.model import (
 )
 from workbench.model.tiny import tiny_path
 from workbench.model.tokenizer import ACTION_WORDS, SPECIAL_TOKENS
-from workbench.policy import append_user, chat_format, encode_image, start_stream
+from workbench.policy import append_reply, append_user, chat_format, encode_image, start_stream
 from workbench.policy.forward import forward_logits, make_batch
 from workbench.rl import user_text
 
-CONFIG = MazeConfig(size=7)  # 7x7 at 32 px: a 224x224 image
+CONFIG = MazeConfig(size=9)  # 9x9 at 16 px: a 144x144 image
 
 
 def _observation(seed: int = 3) -> tuple[dict, dict]:
@@ -84,24 +84,60 @@ def test_loads_through_auto_classes(tiny_dir: Path) -> None:
     assert type(processor).__name__ == "Qwen3VLProcessor"
     image_processor = processor.image_processor
     assert image_processor.patch_size == 16
-    assert image_processor.merge_size == 7
+    assert image_processor.merge_size == 9
     assert list(image_processor.image_mean) == [0.5, 0.5, 0.5]
     assert list(image_processor.image_std) == [0.5, 0.5, 0.5]
 
 
 def test_maze_image_is_one_patch_per_square_and_one_token(tiny) -> None:
     obs, _ = _observation()
-    assert obs["image"].shape == (112, 112, 3)  # 7 squares of 16 px
+    assert obs["image"].shape == (144, 144, 3)  # 9 squares of 16 px
     image = encode_image(tiny.processor, obs["image"])
-    assert image.grid_thw.tolist() == [1, 7, 7]  # one 16 px patch per square, no resizing
-    assert image.n_patches == 49 == CONFIG.size**2
-    assert image.pixel_values.shape == (49, 3 * 2 * 16 * 16)
+    assert image.grid_thw.tolist() == [1, 9, 9]  # one 16 px patch per square, no resizing
+    assert image.n_patches == 81 == CONFIG.size**2
+    assert image.pixel_values.shape == (81, 3 * 2 * 16 * 16)
     fmt = chat_format(tiny.processor)
-    assert fmt.merge == 7
+    assert fmt.merge == 9
     stream = _stream(tiny)
-    assert stream.tokens_T.count(fmt.image_pad) == 1  # the merger makes the 49 squares one token
+    assert stream.tokens_T.count(fmt.image_pad) == 1  # the merger makes the 81 squares one token
     vision = tiny.model.model.visual
-    assert vision.merger.linear_fc1.in_features == 49 * vision.config.hidden_size
+    assert vision.merger.linear_fc1.in_features == 81 * vision.config.hidden_size
+
+
+def test_image_patches_are_the_processors_exact_values(tiny) -> None:
+    """encode_image cuts an image the processor keeps at its size itself (a table and a
+    reshape): the processor's exact float32 pixels; other sizes go through the processor."""
+    from workbench.policy.stream import keeps_size
+
+    ip = tiny.processor.image_processor
+    for size, kept in ((9, True), (7, False), (11, False)):
+        maze = make_maze(size, 3)
+        image_HW3 = render_image(maze, maze.start, 16)
+        assert keeps_size(ip, *image_HW3.shape[:2]) == kept
+        ours = encode_image(tiny.processor, image_HW3)
+        theirs = ip(images=[image_HW3], return_tensors="pt")
+        assert torch.equal(ours.pixel_values, theirs["pixel_values"])
+        assert ours.grid_thw.tolist() == theirs["image_grid_thw"][0].tolist() == [1, 9, 9]
+
+
+def test_turns_are_few_tokens_with_phrase_tokens(tiny) -> None:
+    """The tiny tokenizer makes the chat roles and the maze's fixed phrases one token each: the
+    system prompt is 19 tokens and a turn (observation, budget, reply) 18, against 165 and 41
+    in word pieces; the text decodes back the same."""
+    from workbench.model.tokenizer import build_tokenizer
+
+    fmt = chat_format(tiny.processor)
+    head = start_stream(tiny.processor, fmt, system_prompt(CONFIG))
+    assert len(head) == 19
+    obs, info = _observation()
+    turn = append_user(head, tiny.processor, fmt, "Action executed successfully. "
+                       + info["budget_text"], encode_image(tiny.processor, obs["image"]))
+    turn = append_reply(turn, fmt, tiny.processor.tokenizer.encode("up"), [0.0])
+    assert len(turn) - len(head) == 18
+    pieces = build_tokenizer(512, phrase_tokens=False)
+    text = tiny.processor.tokenizer.decode(turn.tokens_T)
+    assert pieces.decode(pieces.encode(text).ids, skip_special_tokens=False) == text
+    assert len(pieces.encode(text).ids) == 165 + 41
 
 
 def test_load_tiny_by_name_uses_cache(tiny_dir: Path, workbench_cache: Path) -> None:
@@ -191,6 +227,25 @@ def test_vision_attention_is_one_call_for_same_size_images(tiny, tiny_dir: Path)
     assert all(b.attn.forward == b.attn.hf_forward for b in blocks)
 
 
+def test_linear_patch_embedding_equals_the_convolution(tiny_dir: Path) -> None:
+    """linear_patch_embed (every host's path, model/vision.py) gives the patch embedding the
+    Conv3d's own values as one matrix product, its gradient too."""
+    from workbench.model.vision import linear_patch_embed
+
+    conv, linear = load_model(str(tiny_dir)).model, load_model(str(tiny_dir)).model
+    assert linear_patch_embed(linear) == 1
+    pixels = encode_image(load_model(str(tiny_dir)).processor,
+                          MazeEnv(CONFIG).reset(seed=1)[0]["image"]).pixel_values
+    outs = []
+    for model in (conv, linear):
+        embed = model.model.visual.patch_embed
+        out = embed(pixels)
+        out.pow(2).sum().backward()
+        outs.append((out.detach(), embed.proj.weight.grad.clone()))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-4, atol=1e-4)
+
+
 def test_action_words_are_single_tokens(tiny) -> None:
     tok = tiny.processor.tokenizer
     ids = {w: tok.encode(w, add_special_tokens=False) for w in ("up", "down", "left", "right",
@@ -259,7 +314,7 @@ def test_save_load_gives_identical_logits(tiny, tmp_path: Path) -> None:
 # ---------------------------------------------------------------- LoRA
 
 # rank 8 on q,k,v,o (128 -> 128) and gate, up (128 -> 384), down (384 -> 128) in 4 layers
-LORA_PARAMS = 4 * 8 * (4 * (128 + 128) + 3 * (128 + 384))
+LORA_PARAMS = 2 * 8 * (4 * (128 + 128) + 3 * (128 + 384))
 
 
 def _perturb_lora_B(model, scale: float = 0.05) -> None:
@@ -276,10 +331,10 @@ def test_lora_trains_only_language_adapters(tiny_dir: Path) -> None:
     assert trainable and all("lora_" in n for n in trainable)
     assert not any("visual" in n for n in trainable)
     assert all("language_model" in n for n in trainable)
-    assert len(trainable) == 4 * 7 * 2  # layers x projections x (A, B)
+    assert len(trainable) == 2 * 7 * 2  # layers x projections x (A, B)
     assert sum(p.numel() for p in trainable.values()) == LORA_PARAMS
     lora_B = [p for n, p in trainable.items() if "lora_B" in n]
-    assert len(lora_B) == 28 and all(bool((p == 0).all()) for p in lora_B)
+    assert len(lora_B) == 14 and all(bool((p == 0).all()) for p in lora_B)
     assert not any("lora_" in n for n, _ in model.named_parameters() if "visual" in n)
 
 

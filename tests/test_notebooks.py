@@ -112,7 +112,7 @@ def test_00_quickstart(kernel: str, sft_model: str, tmp_path: Path) -> None:
     assert m["steps"] == [1, 2, 3] and m["eval_steps"] == [0, 3]
     assert all(0.0 <= r <= 1.0 for r in m["reward_mean"] + m["success_rate"])
     assert any(0.0 < r < 1.0 for r in m["reward_mean"]), "no step had a group with signal"
-    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(7, 8), 15, "reach_goal")
+    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(9, 8), 15, "reach_goal")
     assert all(1 <= s <= m["ceiling"] for s in m["eval_greedy_solved"])
     assert m["cluster"] == "in-process"
     assert_pictures_saved(tmp_path / "00_quickstart.ipynb")
@@ -120,7 +120,7 @@ def test_00_quickstart(kernel: str, sft_model: str, tmp_path: Path) -> None:
 
 def test_01_mazes(kernel: str, tmp_path: Path) -> None:
     m = run_notebook("01_mazes", kernel, tmp_path)
-    states = eval_set(7, 64)
+    states = eval_set(9, 64)
     budgets = [8, 12, 15, 20]
     assert m["ceilings"] == {rule: {str(b): oracle_ceiling(states, b, rule) for b in budgets}
                              for rule in ("reach_goal", "stop_on_goal")}
@@ -205,7 +205,7 @@ def test_04_train_kill_and_resume(kernel: str, sft_model: str, tmp_path: Path) -
 
 def test_05_evaluate(kernel: str, tiny_dir: Path, sft_model: str, tmp_path: Path) -> None:
     m = run_notebook("05_evaluate", kernel, tmp_path)
-    ceiling = oracle_ceiling(eval_set(7, 64), 15, "reach_goal")
+    ceiling = oracle_ceiling(eval_set(9, 64), 15, "reach_goal")
     assert m["ceiling"] == m["oracle_ceiling"] == ceiling
     assert set(m["solved"]) == {"base/greedy", "sft/greedy", "grpo/greedy"}
     for key, solved in m["solved"].items():

@@ -69,7 +69,7 @@ def test_chat_format_ids(fmt: ChatFormat) -> None:
     # endoftext, im_start, vision start/end/pad, image_pad, video_pad
     assert fmt.banned == (0, 1, 9, 10, 11, 12, 13)
     assert fmt.im_end not in fmt.banned
-    assert fmt.merge == 7
+    assert fmt.merge == 9
 
 
 def test_stream_side_tables_and_masks(tiny, fmt: ChatFormat) -> None:
@@ -369,8 +369,10 @@ def test_kv_reuse_matches_fresh_prefill(tiny, fmt: ChatFormat, pad_id: int) -> N
     extend(tiny.model, live, streams, pad_id)
 
     # turn 2: hand replies of different lengths (fed by the next extend, not by decode)
-    hand = [tok.encode(w, add_special_tokens=False) for w in ("up", "left right down", "stop up")]
-    hand[0] = hand[0] + [fmt.im_end]
+    words = ["up", "left right down", "stop up left right down up"]  # longer reply, longer row
+    order = sorted(range(3), key=lambda b: len(streams[b]))
+    hand = [tok.encode(words[order.index(b)], add_special_tokens=False) for b in range(3)]
+    hand[order[0]] = hand[order[0]] + [fmt.im_end]
     for b in range(3):
         streams[b] = append_reply(streams[b], fmt, hand[b], [0.0] * len(hand[b]))
         streams[b] = _next_turn(tiny, fmt, streams[b], envs[b], "down")
@@ -416,3 +418,64 @@ def test_extend_builds_no_autograd_graph(tiny, fmt: ChatFormat, pad_id: int) -> 
     extend(tiny.model, live, [stream], pad_id)  # called as play_model calls it: grad mode on
     assert not live.logits_BV.requires_grad
     assert not live.cache.layers[0].keys.requires_grad
+
+
+# ---------------------------------------------------------------- shared prefix, image window
+
+
+def _group_streams(tiny, fmt: ChatFormat) -> list[Stream]:
+    """Three mazes x four noisy-oracle episodes: each maze's four share their first prompt."""
+    from workbench.envs import MazeConfig, train_states
+    from workbench.rl.sft import oracle_datum
+
+    return [oracle_datum(tiny.processor, fmt, MazeConfig(size=9), s, 0.3, seed).stream
+            for s in train_states(9, 0, 3) for seed in range(4)]
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny, fmt: ChatFormat,
+                                                              pad_id: int, keep: bool) -> None:
+    """share_prefix runs each maze's first prompt once and continues its episodes from the
+    cache: log-probs to 1e-5 and gradients to 1e-5 relative of the plain forward."""
+    from workbench.policy.forward import prefix_groups, token_logprobs, vision_merge
+
+    streams = _group_streams(tiny, fmt)
+    p, group_B = prefix_groups(streams, vision_merge(tiny.model))
+    assert group_B == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8]
+    assert p == streams[0].loss_mask_T.index(1) and streams[0].tokens_T[:p] == \
+        streams[3].tokens_T[:p] != streams[4].tokens_T[:p]
+    keep_B_T = [[m == 1 for m in s.loss_mask_T] for s in streams] if keep else None
+    results = []
+    for share in (False, True):
+        tiny.model.zero_grad()
+        logp, ent = token_logprobs(tiny.model, streams, 1.0, fmt.banned, pad_id, keep_B_T, share)
+        weight = [torch.tensor(s.loss_mask_T, dtype=torch.float32) for s in streams]
+        (sum((lp * w).sum() for lp, w in zip(logp, weight)) + 0.1 * sum(e.sum() for e in ent)
+         ).backward()
+        results.append(([(lp * w).detach() for lp, w in zip(logp, weight)],
+                        {n: q.grad.clone() for n, q in tiny.model.named_parameters()
+                         if q.grad is not None}))
+    tiny.model.zero_grad()
+    (plain, plain_grads), (shared, shared_grads) = results
+    for a, b in zip(plain, shared):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5)
+    assert plain_grads.keys() == shared_grads.keys()
+    for name, g in plain_grads.items():
+        assert (shared_grads[name] - g).norm() <= 1e-5 * g.norm() + 1e-9, name
+
+
+def test_keep_last_images_cuts_older_images_and_keeps_the_text(tiny, fmt: ChatFormat) -> None:
+    from workbench.policy import keep_last_images
+
+    stream = _group_streams(tiny, fmt)[0]
+    n = len(stream.images)
+    assert n > 3 and keep_last_images(stream, fmt, n) is stream
+    cut = keep_last_images(stream, fmt, 2)
+    assert cut.images == stream.images[-2:]
+    assert cut.tokens_T.count(fmt.image_pad) == 2 == cut.tokens_T.count(fmt.vision_start)
+    assert len(stream) - len(cut) == 3 * (n - 2)  # vision_start, image, vision_end
+    text = [t for t in stream.tokens_T if t not in (fmt.vision_start, fmt.image_pad,
+                                                    fmt.vision_end)]
+    assert [t for t in cut.tokens_T if t not in (fmt.vision_start, fmt.image_pad,
+                                                 fmt.vision_end)] == text
+    assert cut.loss_mask_T.count(1) == stream.loss_mask_T.count(1)

@@ -13,7 +13,7 @@ from workbench.config import PRESETS, apply_overrides
 from workbench.model.load import resolve_model_path
 from workbench.rl.pretrained import RECIPE, describe, read_report, tiny_sft_path, weights_sha256
 
-PINNED_SHA256 = "26a031cfbe8082381f20dc0a3c7186eef880422ab3b276d05eaa66171b19ccea"
+PINNED_SHA256 = "3a03eeb4245093508580352d55d16ced6963117a07734822ba643716f06ab76b"
 """sha256 of tiny-sft's model.safetensors as built by RECIPE with the locked stack (torch 2.14.1,
 transformers 5.20.2) on an x86-64 CPU with AVX2 (the build pins its kernels: PINNED_ENV)."""
 
@@ -21,19 +21,24 @@ transformers 5.20.2) on an x86-64 CPU with AVX2 (the build pins its kernels: PIN
 def test_build_writes_the_pinned_bytes(tiny_sft_dir: Path) -> None:
     report = read_report(tiny_sft_dir)
     assert weights_sha256(tiny_sft_dir) == report["weights_sha256"] == PINNED_SHA256
-    assert report["recipe"] == asdict(RECIPE)
+    assert report["recipe"] == asdict(RECIPE) | {"report_sizes": list(RECIPE.report_sizes)}
     assert tiny_sft_dir.name == f"tiny-sft-{RECIPE.build_hash}"
 
 
 def test_report_holds_the_held_out_evaluation(tiny_sft_dir: Path) -> None:
     report = read_report(tiny_sft_dir)
-    greedy, sampled = report["greedy"], report["sampled"]
-    assert (greedy["n_mazes"], greedy["episodes_per_maze"]) == (64, 1)
-    assert sampled["episodes_per_maze"] == RECIPE.eval_passes
-    assert greedy["ceiling"] == 63
-    # the pinned bytes play the held-out set exactly so: about half solved, room to climb
-    assert (greedy["solved"], sampled["solved"]) == (35.0, 33.0)
-    assert describe(report).startswith("tiny-sft: built in ")
+    assert list(report["sizes"]) == ["9", "7"]
+    nine, seven = report["sizes"]["9"], report["sizes"]["7"]
+    for size in (nine, seven):
+        assert (size["greedy"]["n_mazes"], size["greedy"]["episodes_per_maze"]) == (64, 1)
+        assert size["sampled"]["episodes_per_maze"] == RECIPE.eval_passes
+    assert (nine["greedy"]["ceiling"], seven["greedy"]["ceiling"]) == (50, 63)
+    # the pinned bytes play the held-out sets exactly so: a fraction solved, room to climb
+    assert (nine["greedy"]["solved"], nine["sampled"]["solved"]) == (13.0, 15.0)
+    assert (seven["greedy"]["solved"], seven["sampled"]["solved"]) == (7.0, 11.0)
+    line = describe(report)
+    assert line.startswith("tiny-sft: built in ") and "9x9 greedy 13.0/64, sampled 15.0/64 " \
+        "(ceiling 50/64); 7x7 greedy 7.0/64" in line and line.endswith("at T=0.7")
     metrics = [json.loads(line) for line in (tiny_sft_dir / "sft_metrics.jsonl").open()]
     assert [m["step"] for m in metrics] == list(range(1, RECIPE.steps + 1))
 

@@ -116,7 +116,7 @@ def test_random_policy_is_reproducible(policy) -> None:
 
 # ---------------------------------------------------------------- model rollout
 
-MODEL_CONFIG = MazeConfig(size=5, max_turns=3)  # one image token per observation (merge 7)
+MODEL_CONFIG = MazeConfig(size=5, max_turns=3)  # one image token per observation (resized)
 
 
 def _reply_runs(stream) -> list[list[int]]:
@@ -195,6 +195,53 @@ def test_play_model_greedy_rows_agree(tiny) -> None:
     for group in episodes_P_G:
         assert group[0].replies == group[1].replies
         assert group[0].stream.tokens_T == group[1].stream.tokens_T
+
+
+@pytest.mark.parametrize("window", [0, 2])
+def test_every_datum_holds_exactly_what_the_sampler_saw(tiny, window: int) -> None:
+    """With and without an image window (generator.history_images), each datum is the token ids
+    the sampler was given and drew, turn by turn: the trainer's log-probs of the weighted
+    (sampled) tokens equal the sampler's to 1e-4, a windowed datum holds at most `window`
+    images and its last reply is that turn's sampled reply, and the windowed history differs
+    from the full one (older images are cut)."""
+    import numpy as np
+
+    from workbench.policy.forward import token_logprobs
+    from workbench.rl.phases import AdvantageRecord, RolloutRecord, make_datums
+
+    fmt = chat_format(tiny.processor)
+    config = MazeConfig(size=9, max_turns=6)
+    params = SamplingParams(max_tokens=3, temperature=1.0)
+    episodes_P_G = play_model(tiny, config, eval_set(9, 2), n=2, params=params,
+                              generator=torch.Generator().manual_seed(1), history_images=window)
+    record = RolloutRecord(episodes_P_G, params, 0, 0.0)
+    adv = AdvantageRecord(np.ones((2, 2)), 0, "grpo")
+    datums = make_datums(record, adv)
+    flat = [ep for group in episodes_P_G for ep in group]
+    cut = [ep.turns > window > 0 for ep in flat]  # prompts no longer prefixes of the stream
+    assert len(datums) == sum(ep.turns if c else 1 for ep, c in zip(flat, cut)) and any(cut) == \
+        bool(window)
+    with torch.no_grad():
+        logp_B_T, _ = token_logprobs(tiny.model, [d.stream for d in datums], 1.0, fmt.banned,
+                                     tiny.processor.tokenizer.pad_token_id)
+    for d, logp_T in zip(datums, logp_B_T):
+        weighted = [t for t, w in enumerate(d.weights_T) if w]
+        assert weighted and all(d.stream.loss_mask_T[t] for t in weighted)
+        sampler = torch.tensor([d.stream.logprobs_T[t] for t in weighted])
+        torch.testing.assert_close(logp_T[weighted], sampler, rtol=0, atol=1e-4)
+    if window:
+        turn_datums = iter(datums)
+        for ep, c in zip(flat, cut):
+            assert len(ep.turn_streams) == ep.turns
+            if not c:
+                next(turn_datums)
+                continue
+            for turn in range(ep.turns):
+                d = next(turn_datums)
+                assert len(d.stream.images) == min(window, turn + 1)
+                reply = [tok for tok, w in zip(d.stream.tokens_T, d.weights_T) if w]
+                assert reply == _reply_runs(ep.stream)[turn]
+        assert any(len(ep.turn_streams[-1]) < len(ep.stream) for ep in flat)
 
 
 # ---------------------------------------------------------------- evaluation

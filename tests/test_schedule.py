@@ -34,3 +34,35 @@ def test_step_mazes_are_a_function_of_the_step_and_never_eval_mazes() -> None:
     assert len(seeds) == 5 * config.trainer.train_batch_size  # no maze repeats across steps
     assert not seeds & set(EVAL_SEEDS)
     assert step_seed(config, 3) != step_seed(config, 4)
+
+
+def test_refill_mazes_are_their_own_block_per_step_and_round() -> None:
+    """Dynamic sampling's refill mazes (trainer.dynamic_sampling) depend only on the step and
+    round, never repeat a step maze or another round's, and are held out from the eval set."""
+    from workbench.envs import eval_task_keys, init_maze, task_key
+    from workbench.rl.schedule import refill_mazes, refill_seed
+
+    config = apply_overrides(PRESETS["tiny"], ["trainer.dynamic_sampling=2"])
+    P = config.trainer.train_batch_size
+    blocks = {(step, r): [s.maze_seed for s in refill_mazes(config, step, r, P)]
+              for step in (1, 2, 3) for r in (1, 2)}
+    assert blocks[(2, 1)] == [s.maze_seed for s in refill_mazes(config, 2, 1, P)]
+    assert [s.maze_seed for s in refill_mazes(config, 2, 1, 3)] == blocks[(2, 1)][:3]
+    seeds = [seed for block in blocks.values() for seed in block]
+    steps = {s.maze_seed for step in range(1, 4) for s in step_mazes(config, step)}
+    assert len(set(seeds)) == len(seeds) == 6 * P and not set(seeds) & steps
+    held = eval_task_keys(config.env.size)
+    assert not {task_key(init_maze(s)) for step, r in blocks
+                for s in refill_mazes(config, step, r, P)} & held
+    assert len({refill_seed(config, 2, r) for r in (1, 2)} | {step_seed(config, 2)}) == 3
+
+
+def test_sft_cosine_schedule() -> None:
+    from workbench.rl.sft import sft_lr
+    from workbench.session import AdamParams
+
+    adam = AdamParams(learning_rate=1e-3)
+    assert sft_lr(adam, "constant", 7, 10) is adam
+    lrs = [sft_lr(adam, "cosine", s, 10).learning_rate for s in range(1, 11)]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[5] == pytest.approx(5e-4)
+    assert all(a > b > 0 for a, b in zip(lrs, lrs[1:]))

@@ -15,6 +15,7 @@ import torch
 
 from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
 from workbench.model import LoraSettings, TinySpec, build_tiny, load_model
+from workbench.model.vision import batch_vision_attention, linear_patch_embed
 from workbench.policy import SamplingParams, Stream, append_reply, chat_format, start_stream
 from workbench.policy.forward import forward_logits, make_batch
 from workbench.rl.rollout import observe, play_episodes
@@ -98,6 +99,10 @@ def _masked_max_diff(stream: Stream, logprobs: list[float]) -> float:
 
 @torch.no_grad()
 def _logits(model, stream: Stream, pad_id: int) -> torch.Tensor:
+    """Logits through the forward a host runs (its vision fast paths installed, as
+    session.host.make_host does), so two models with equal weights give equal logits."""
+    batch_vision_attention(model)
+    linear_patch_embed(model)
     return forward_logits(model, make_batch(model, [stream], pad_id, left=False)).logits
 
 

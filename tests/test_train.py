@@ -287,3 +287,64 @@ def test_off_policy_step_ignores_a_rollout_started_for_another_step(sft_model: s
     finally:
         trainer.session.close()
     assert row["rollout/policy_lag"] == 0 and trainer.ahead is None
+
+
+def test_share_prefix_keeps_the_update(straight_run: Path, sft_model: str,
+                                       tmp_path: Path) -> None:
+    """trainer.share_prefix runs each maze's first prompt once in the update: step 1 matches
+    the plain run (same rollout, the same loss and grad norm to 1e-4)."""
+    from workbench.rl.train import train
+
+    extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
+                      "trainer.share_prefix=true"]
+    config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the CLI run of straight_run (OMP_NUM_THREADS=1)
+    try:
+        trainer = train(config, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
+    assert trainer.session.host.speed.share_prefix
+    [shared] = [r for r in read_metrics(tmp_path) if r["step"] == 1 and "reward/mean" in r]
+    [plain] = [r for r in read_metrics(straight_run) if r["step"] == 1 and "reward/mean" in r]
+    assert shared["update/datums"] > 0
+    for key, value in _comparable([plain])[0].items():
+        if key.startswith("update/"):
+            assert shared[key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        else:
+            assert shared[key] == value, key
+
+
+def test_dynamic_sampling_replaces_the_groups_without_signal(sft_model: str,
+                                                             tmp_path: Path) -> None:
+    """trainer.dynamic_sampling=2 (DAPO): the step's groups that carry signal are those of the
+    plain step, and each flat group is replaced by a refill maze's group (refill_mazes), so the
+    update gets more datums; the metrics count every group sampled."""
+    from workbench.rl.schedule import refill_mazes
+    from workbench.rl.train import start, train_step
+
+    base = ["env.size=9", "env.format_weight=0.0", "generator.max_turns=15",
+            "trainer.total_steps=1", "trainer.eval_interval=0", "trainer.ckpt_interval=0",
+            "trainer.hf_save_interval=0", "trainer.resume_mode=none"]
+    rows, records = [], []
+    for name, extra in (("plain", []), ("dynamic", ["trainer.dynamic_sampling=2"])):
+        config = apply_overrides(PRESETS["tiny"],
+                                 _overrides(sft_model, tmp_path / name, base + extra))
+        trainer = start(config, log=lambda *_: None)
+        try:
+            rows.append(train_step(trainer))
+        finally:
+            trainer.session.close()
+        records.append(json.loads((tmp_path / name / "steps" / "step_000001" /
+                                   "episodes.json").read_text()))
+    plain, dynamic = rows
+    P = 3
+    flat = [p for p in range(P) if p not in {p for p, _ in records[0]["datum_index"]}]
+    assert flat and plain["rollout/groups_sampled"] == P
+    assert dynamic["rollout/groups_sampled"] > P
+    assert dynamic["update/datums"] > plain["update/datums"]
+    for p in range(P):
+        same = records[1]["episodes_P_G"][p] == records[0]["episodes_P_G"][p]
+        assert same == (p not in flat), p
+    refills = {s.maze_seed for r in (1, 2) for s in refill_mazes(config, 1, r, P)}
+    assert {records[1]["episodes_P_G"][p][0]["init_state"]["maze_seed"] for p in flat} <= refills

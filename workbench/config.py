@@ -84,8 +84,8 @@ class LoraConfig:
 class EnvConfig:
     """The maze task (generator.max_turns sets the turn budget)."""
 
-    size: int = 7
-    """Maze side incl. the outer wall: 5, 7, 9 (easy), 11 (hard)."""
+    size: int = 9
+    """Maze side incl. the outer wall: 9 = VisGym's easy (the seed's task), 11 (hard), 7, 5."""
     px_per_cell: int = 16
     """Pixels per square: 25 = VisGym, 16 = one vision patch per square (the tiny default)."""
     grammar: str = "keyword"
@@ -110,6 +110,11 @@ class GeneratorConfig:
     """Sampling temperature of training rollouts."""
     max_tokens: int = 4
     """Reply length cap in tokens."""
+    history_images: int = 0
+    """Images kept in the model's context: 0 = every turn's; k > 0 = the last k turns keep their
+    image and older turns keep only their text (VisGym's truncated history). With a window each
+    turn's prompt is built anew, and the update trains one datum per turn: the prompt that turn
+    was sampled from and its reply (`rl.rollout.play_model`, `rl.phases.make_datums`)."""
     gpu_memory_utilization: float = 0.5
     """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
     max_model_len: int = 0
@@ -186,6 +191,13 @@ class TrainerConfig:
     steps near the sampler's policy."""
     update_epochs: int = 1
     """Passes over each rollout batch (SkyRL: update_epochs_per_batch)."""
+    dynamic_sampling: int = 0
+    """Refill rounds (DAPO's dynamic sampling): after a rollout, each group that carries no
+    signal (every advantage zero: all solved or all failed alike) is dropped and a fresh
+    training maze is rolled out in its place, for up to N more rounds, so the update trains on
+    up to P groups that all carry signal. 0 = off: such groups cost their rollout and are left
+    out of the update. Refill mazes and seeds are functions of the step and round
+    (`rl.schedule.refill_mazes`), so a resumed run repeats them."""
     off_policy_steps: int = 0
     """0: each step samples from the weights it then updates (on-policy). 1: the next step's
     rollout is sampled from the same weights as this step's, while this step's update runs
@@ -247,6 +259,12 @@ class TrainerConfig:
     """torch.compile each text decoder layer for the update (norms, rotary, SiLU and the LoRA
     epilogue fused forward and backward); the first update pays the compilation (about a
     minute), calls without grad (the sampler's prefill) stay eager."""
+    share_prefix: bool = False
+    """Run the prompt the G episodes of a maze share (system prompt and first observation) once
+    per group in the update and continue each episode from its KV cache (the same log-probs
+    and gradients; `policy.forward.token_logprobs`). Off by default: at the tiny default's
+    33-token prompt it saved nothing on the CPU (docs/benchmarks.md). Ignored with
+    trainer.compile_layers."""
     loss_tokens_only: bool = False
     """Run the lm_head only on tokens that carry loss weight (the replies): at Qwen's 151,936
     vocabulary this saves most of the output layer's time and memory. Same loss and gradients."""
@@ -269,8 +287,8 @@ class EvalConfig:
     """Evaluate greedy decoding."""
     sampled_passes: int = 2
     """Sampled passes per maze (64 episodes carry about +-6 points of noise)."""
-    temperature: float = 1.0
-    """Temperature of sampled evaluation."""
+    temperature: float = 0.7
+    """Temperature of sampled evaluation (SkyRL's VisGym evaluation: 0.7)."""
 
 
 @dataclass(frozen=True)
@@ -279,10 +297,12 @@ class SFTConfig:
 
     steps: int = 480
     """Optimiser steps."""
-    batch_size: int = 2
-    """Oracle episodes per step (small batches, many steps: 480 x 2 beat 240 x 8 on 7x7)."""
-    learning_rate: float = 3e-4
-    """Learning rate (1e-3 stalled in our experiments)."""
+    batch_size: int = 8
+    """Oracle episodes per step."""
+    learning_rate: float = 5e-4
+    """Peak learning rate (2e-3 stalled at chance on 9x9; 5e-4 and 1e-3 learnt)."""
+    lr_schedule: str = "constant"
+    """constant | cosine (from learning_rate to zero at the last step)."""
     full_finetune: bool = True
     """Train every weight (tiny default) instead of a LoRA adapter."""
     noise: float = 0.0
@@ -355,6 +375,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "env.reward": tuple(REWARDS),
     "env.observation": OBSERVATIONS,
     "trainer.lr_schedule": ("constant", "warmup_cosine"),
+    "sft.lr_schedule": ("constant", "cosine"),
     "trainer.loss": tuple(LOSSES),
     "trainer.loss_reduction": tuple(REDUCTIONS),
     "trainer.advantage": tuple(ADVANTAGES),

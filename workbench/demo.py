@@ -1,12 +1,13 @@
 """The main job on the embedded default: the pretrained tiny policy -> GRPO, evaluated on
 held-out mazes before, during and after.
 
-    make demo        # = python -m workbench demo --out runs/demo      (about 15 minutes, 2 cores)
-    make demo-long   # = python -m workbench demo --out runs/demo-long --long
+    make demo        # = python -m workbench demo --out runs/demo      (under 15 minutes, 2 cores)
+    make demo-long   # = python -m workbench demo --out runs/demo-long --long   (under 60)
 
-1. Baselines on the fixed 64-maze set (7x7, 15 turns): random, random-among-open-moves, oracle.
-2. The pretrained tiny policy `tiny-sft` (`workbench.rl.pretrained`): built on first use, in about
-   four minutes, and reported; cached after that.
+1. Baselines on the fixed 64-maze set (VisGym's easy 9x9 mazes, 15 turns, ceiling 50/64):
+   random, random-among-open-moves, oracle.
+2. The pretrained tiny policy `tiny-sft` (`workbench.rl.pretrained`): built on first use, in
+   about six minutes, and reported; cached after that.
 3. GRPO with LoRA on top of it -> runs/demo/grpo (metrics, checkpoints, exports), evaluated on the
    held-out set every `EVAL_EVERY` steps, greedy and sampled.
 4. The seed-style table (SFT baseline X/64 -> GRPO Y/64, ceiling Z/64), greedy and sampled
@@ -34,19 +35,18 @@ EVAL_EVERY = 4
 """Steps between evaluations on the held-out set (and the curve's points)."""
 
 DEMO_OVERRIDES = [
-    "model.name=tiny-sft", "trainer.total_steps=48", "trainer.train_batch_size=8",
-    "generator.n_samples_per_prompt=8", "trainer.learning_rate=3e-4",
+    "model.name=tiny-sft", "trainer.total_steps=84", "trainer.train_batch_size=8",
+    "generator.n_samples_per_prompt=8", "trainer.learning_rate=5e-4",
     "trainer.loss_reduction=sequence_mean", "trainer.step_advantage=1.0",
     f"trainer.eval_interval={EVAL_EVERY}",
-    "trainer.ckpt_interval=16", "trainer.hf_save_interval=16", "eval.sampled_passes=2",
+    "trainer.ckpt_interval=20", "trainer.hf_save_interval=20", "eval.sampled_passes=2",
 ]
-LONG_OVERRIDES = DEMO_OVERRIDES + [
-    "trainer.total_steps=100", "trainer.ckpt_interval=20", "trainer.hf_save_interval=20"]
+LONG_OVERRIDES = DEMO_OVERRIDES + ["trainer.total_steps=100"]
 LONG_SFT_OVERRIDES = [
-    "sft.steps=3000", "sft.batch_size=2", "sft.learning_rate=3e-4", "sft.noise=0.2",
-    "sft.full_finetune=true", "trainer.seed=1"]
-"""--long first continues tiny-sft's SFT (same recipe, 3000 more steps on fresh training mazes:
-trainer.seed=1), then runs GRPO from that model."""
+    "sft.steps=6000", "sft.batch_size=4", "sft.learning_rate=5e-4", "sft.lr_schedule=cosine",
+    "sft.noise=0.2", "sft.full_finetune=true", "trainer.seed=1"]
+"""--long first continues tiny-sft's SFT (the same recipe, 6000 more steps on fresh training
+mazes: trainer.seed=1), then runs GRPO from that model."""
 
 
 def demo_config(out: Path, long: bool = False, overrides: tuple[str, ...] = ()) -> RunConfig:

@@ -27,8 +27,8 @@ SPEC_FILE = "session_spec.json"
 
 def speed_settings(config: RunConfig) -> SpeedSettings:
     """trainer.gradient_checkpointing / selective_checkpointing / compile_layers /
-    loss_tokens_only / lora_autocast and generator.cuda_graphs / fused_decode / compile_decode
-    as one record; CUDA graphs only on a CUDA device with the transformers engine."""
+    loss_tokens_only / share_prefix / lora_autocast and generator.cuda_graphs / fused_decode /
+    compile_decode as one record; CUDA graphs only on a CUDA device with the transformers engine."""
     t, g = config.trainer, config.generator
     graphs = g.cuda_graphs and g.engine == "transformers" and config.model.device.startswith("cuda")
     return SpeedSettings(
@@ -36,7 +36,8 @@ def speed_settings(config: RunConfig) -> SpeedSettings:
         fused_decode=g.fused_decode, compile_decode=g.compile_decode,
         gradient_checkpointing=t.gradient_checkpointing,
         selective_checkpointing=t.selective_checkpointing, compile_layers=t.compile_layers,
-        loss_tokens_only=t.loss_tokens_only, lora_autocast=t.lora_autocast)
+        loss_tokens_only=t.loss_tokens_only, share_prefix=t.share_prefix,
+        lora_autocast=t.lora_autocast)
 
 
 def cluster_spec(config: RunConfig) -> ClusterSpec:

@@ -140,8 +140,12 @@ def load_datums(folder: Path, processor: Any, config: MazeConfig) -> list[Datum]
         maze = init_maze(InitState.from_dict(ep["init_state"]))
         n_images = int((tensors[f"{k}.tokens"] == processor.tokenizer.convert_tokens_to_ids(
             "<|vision_start|>")).sum())
+        # the datum's images are those of the turns up to its last reply (the last n of them
+        # under an image window: generator.history_images)
+        mask = tensors[f"{k}.loss_mask"].tolist()
+        replies = sum(1 for t, m in enumerate(mask) if m and (t == 0 or not mask[t - 1]))
         images = tuple(encode_image(processor, render_image(maze, tuple(pos), config.px_per_cell))
-                       for pos in ep["positions"][:n_images])
+                       for pos in ep["positions"][replies - n_images:replies])
         stream = Stream(tokens_T=tensors[f"{k}.tokens"].tolist(),
                         mm_types_T=tensors[f"{k}.mm_types"].tolist(),
                         loss_mask_T=tensors[f"{k}.loss_mask"].tolist(),

@@ -9,7 +9,7 @@ when ``turn == max_turns``. The step reward is 0.0 until the episode ends; at th
 ``reset(seed=s)`` plays maze ``make_maze(config.size, s)`` (VisGym's maze for seed s);
 ``reset(options={"init_state": state})`` replays a recorded `InitState` exactly.
 
-    env = MazeEnv(MazeConfig(size=7))
+    env = MazeEnv(MazeConfig(size=9))
     obs, info = env.reset(seed=0)
     obs, reward, terminated, truncated, info = env.step("up")
 """
@@ -66,8 +66,8 @@ FEEDBACK_WALL = "Cannot move into a wall."
 class MazeConfig:
     """Everything that defines the task a model is asked to solve."""
 
-    size: int = 7
-    """Cells per side incl. the outer wall (5, 7, 9 easy, 11 hard); a name in SIZES works too."""
+    size: int = 9
+    """Cells per side incl. the outer wall (9 easy, 11 hard, 7, 5); a name in SIZES works too."""
     px_per_cell: int = 16
     """Pixels per cell: 25 = VisGym fidelity, 16 = one vision patch per square (tiny default)."""
     grammar: str = "keyword"

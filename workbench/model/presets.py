@@ -45,7 +45,8 @@ QWEN3_VL_8B = ShapeSpec(
     spec=TinySpec(
         hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, mrope_section=(24, 20, 20),
         intermediate=12288, vision_hidden=1152, vision_heads=16, vision_depth=27,
-        vision_intermediate=4304, deepstack=(8, 16, 24), vocab_size=512, patch=16, merge=2,
+        vision_intermediate=4304, deepstack=(8, 16, 24), vocab_size=512, phrase_tokens=False,
+        patch=16, merge=2,
         min_pixels=65536, max_pixels=16777216,
     ),
     vocab=151936,
@@ -122,7 +123,7 @@ def build_random(name: str, dtype: torch.dtype = torch.bfloat16,
     from workbench.model.tokenizer import CHAT_TEMPLATE, build_tokenizer
 
     shape = SHAPES[name]
-    tok = build_tokenizer(shape.spec.vocab_size)
+    tok = build_tokenizer(shape.spec.vocab_size, shape.spec.phrase_tokens)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         unk_token=None, model_max_length=262144,

@@ -9,12 +9,14 @@ This module finds or starts the build (model layer: `load_model` resolves the na
 build itself is an SFT run, so it lives in `workbench.rl.pretrained` and runs in a child process.
 
 The recipe (`RECIPE`): SFT of the random tiny base ("tiny") with every weight trained, on
-noisy-oracle episodes of held-out 7x7 training mazes (`envs.train_maze`): each turn is the BFS
-oracle's move, or with probability `noise` a random move (into a wall too) that stays in context
-with no loss, so the policy also sees the wall feedback and the way back from a wrong square.
-Then the 64 held-out eval mazes, greedy and sampled, are played and written to `report.json`,
-and one line reports them. The policy it makes solves about half of them: every group of a first
-GRPO step has reward variance, and there is room to climb.
+noisy-oracle episodes of held-out 9x9 training mazes (VisGym's easy size, 15 turns;
+`envs.train_maze`): each turn is the BFS oracle's move, or with probability `noise` a random move
+(into a wall too) that stays in context with no loss, so the policy also sees the wall feedback
+and the way back from a wrong square. The learning rate falls from its peak to zero on a cosine.
+Then the 64 held-out eval mazes, greedy and sampled, are played at 9x9 and at 7x7 (which the tiny
+model sees resized, one image token a turn either way) and written to `report.json`, and one line
+reports them. The policy it makes solves a fraction of the 9x9 set: most groups of a first GRPO
+step have reward variance, and there is room to climb.
 
 Determinism: the build runs in a child process with fixed seeds, float32 on the CPU, `threads`
 torch threads and the CPU kernels pinned to AVX2 (`PINNED_ENV`: MKL's conditional numerical
@@ -51,14 +53,18 @@ class PretrainRecipe:
 
     steps: int = 1000
     """Optimiser steps."""
-    batch_size: int = 2
-    """Noisy-oracle episodes per step (small batches, many steps)."""
-    learning_rate: float = 3e-4
-    """AdamW step size, constant."""
+    batch_size: int = 4
+    """Noisy-oracle episodes per step (4 learnt as much per episode as 8, at 10% less cost)."""
+    learning_rate: float = 7e-4
+    """AdamW peak step size."""
+    lr_schedule: str = "cosine"
+    """sft.lr_schedule: from the peak to zero on a cosine."""
     noise: float = 0.2
     """Chance of a random move per turn (in context, not trained on)."""
-    size: int = 7
-    """Maze side incl. the outer wall (the tiny model merges a 7x7 maze into one token)."""
+    size: int = 9
+    """Maze side incl. the outer wall (the tiny model merges a 9x9 maze into one token)."""
+    report_sizes: tuple[int, ...] = (9, 7)
+    """Maze sizes of the held-out evaluation in the report (the first is the trained size)."""
     max_turns: int = 15
     """Turn budget of the episodes (and of the held-out evaluation)."""
     threads: int = 2
@@ -66,7 +72,9 @@ class PretrainRecipe:
     seed: int = 0
     """trainer.seed: the training mazes' offset and the data order."""
     eval_passes: int = 2
-    """Sampled passes per eval maze in the report (T = 1.0)."""
+    """Sampled passes per eval maze in the report."""
+    eval_temperature: float = 0.7
+    """Temperature of the report's sampled passes (eval.temperature)."""
 
     @property
     def build_hash(self) -> str:
@@ -81,10 +89,11 @@ class PretrainRecipe:
         return [
             "model.name=tiny", f"env.size={self.size}", f"generator.max_turns={self.max_turns}",
             f"sft.steps={self.steps}", f"sft.batch_size={self.batch_size}",
-            f"sft.learning_rate={self.learning_rate}", f"sft.noise={self.noise}",
+            f"sft.learning_rate={self.learning_rate}", f"sft.lr_schedule={self.lr_schedule}",
+            f"sft.noise={self.noise}",
             "sft.full_finetune=true", f"trainer.seed={self.seed}", "eval.n_mazes=64",
             "eval.greedy=true", f"eval.sampled_passes={self.eval_passes}",
-            "eval.temperature=1.0",
+            f"eval.temperature={self.eval_temperature}",
         ]
 
 
@@ -126,13 +135,16 @@ def read_report(folder: str | Path) -> dict[str, Any]:
 
 
 def describe(report: dict[str, Any]) -> str:
-    """One line: how long the build took and what the policy solves on the held-out set."""
-    g, s = report["greedy"], report["sampled"]
-    n = g["n_mazes"]
-    return (f"{TINY_SFT_NAME}: built in {report['seconds'] / 60:.1f} min; held-out greedy "
-            f"{g['solved']:.1f}/{n} ({100 * g['success_rate']:.1f}%), sampled {s['solved']:.1f}/{n}"
-            f" ({100 * s['success_rate']:.1f}%, {s['episodes_per_maze']} passes at T=1), "
-            f"ceiling {g['ceiling']}/{n}")
+    """One line: how long the build took and what the policy solves on each held-out set."""
+    parts = []
+    for size, r in report["sizes"].items():
+        g, s, n = r["greedy"], r["sampled"], r["greedy"]["n_mazes"]
+        parts.append(f"{size}x{size} greedy {g['solved']:.1f}/{n}, sampled {s['solved']:.1f}/{n}"
+                     f" (ceiling {g['ceiling']}/{n})")
+    passes = next(iter(report["sizes"].values()))["sampled"]["episodes_per_maze"]
+    return (f"{TINY_SFT_NAME}: built in {report['seconds'] / 60:.1f} min; held-out "
+            + "; ".join(parts) + f"; sampled: mean of {passes} passes at "
+            f"T={report['recipe']['eval_temperature']:g}")
 
 
 def weights_sha256(folder: str | Path) -> str:

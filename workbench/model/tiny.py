@@ -6,19 +6,22 @@ back through `AutoModelForImageTextToText` / `AutoProcessor`, the same path a re
 Qwen/Qwen3-VL-8B-Instruct folder takes. Random init from a fixed seed: the build is deterministic
 (the same bytes every time) and takes about a second.
 
-Shape (~5.6 M parameters): text hidden 128, 4 layers, 4 heads, head_dim 32, M-RoPE sections
-[4, 6, 6] interleaved (they must sum to head_dim / 2); vision depth 2, hidden 64, 4 heads, patch
-16, spatial merge 7, no deepstack. A 7x7 maze drawn at 16 px a square is 7x7 patches, one patch a
-square: the vision tower attends over the 49 squares with 2D rotary positions, and the merger
-concatenates all 49 (so the position of every square is kept) into ONE image token per turn.
+Shape (~7.6 M parameters): text hidden 128, 2 layers, 4 heads, head_dim 32, M-RoPE sections
+[4, 6, 6] interleaved (they must sum to head_dim / 2); vision depth 8, hidden 32, 2 heads, patch
+16, spatial merge 9, no deepstack. A 9x9 maze (VisGym's easy size) drawn at 16 px a square is 9x9
+patches, one patch a square: the vision tower attends over the 81 squares with 2D rotary
+positions for 8 layers, and the merger concatenates all 81 (so the position of every square is
+kept) into ONE image token per turn. The tokenizer makes the chat roles and the maze's fixed
+phrases one token each (`model.tokenizer.phrases`), so a turn is 18 tokens.
 
-Why one token per image: with one token per square (patch 16, merge 2 at 32 px, the earlier
-default) the decoder must first find the agent's token among 49 before any wall near it can
-matter, and a 2 M-parameter model learnt that search only after ~25,000 images; its SFT policy
-ignored the image altogether (the same success with another maze's walls drawn in). Merged into
-one token, the squares reach the decoder in fixed slots of one vector, and the held-out
-single-turn move accuracy passed 60% after 9,600 images instead of ~45,000 (docs/benchmarks.md,
-"What moved the numbers").
+Why one token per image: with one token per square (patch 16, merge 2 at 32 px, an earlier
+default) the decoder must first find the agent's token among the squares before any wall near it
+can matter, and a 2 M-parameter model learnt that search only after ~25,000 images; its SFT
+policy ignored the image altogether. Merged into one token, the squares reach the decoder in fixed
+slots of one vector. Why 8 narrow vision layers: on 9x9 the right move depends on which branch
+dies within a few cells (a 3-cell look-ahead solves 45 of the 64 held-out mazes), and the depth-2
+tower of the 7x7 default stayed at chance on 9x9 single-turn moves after 90,000 images where
+depth 8 reached 68% (docs/benchmarks.md, "What moved the numbers").
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-from workbench.model.tokenizer import CHAT_TEMPLATE, build_tokenizer
+from workbench.model.tokenizer import CHAT_TEMPLATE, build_tokenizer, phrases
 
 TINY_NAME = "tiny"
 TINY_SFT_NAME = "tiny-sft"  # the pretrained tiny policy (workbench.rl.pretrained builds it)
@@ -46,20 +49,21 @@ class TinySpec:
     """Dimensions of the tiny Qwen3-VL; every field changes the build hash."""
 
     hidden: int = 128  # text hidden size (and the merger's output)
-    layers: int = 4  # text decoder layers
+    layers: int = 2  # text decoder layers
     heads: int = 4  # text attention heads
     kv_heads: int = 4  # text KV heads (= heads: sdpa repeats GQA heads under a mask on CPU)
     head_dim: int = 32  # text head dim; mrope_section sums to head_dim / 2
     mrope_section: tuple[int, int, int] = (4, 6, 6)  # temporal, height, width rotary sections
     intermediate: int = 384  # text MLP width
-    vision_hidden: int = 64  # vision tower width
-    vision_heads: int = 4  # vision attention heads
-    vision_depth: int = 2  # vision transformer blocks
-    vision_intermediate: int = 128  # vision MLP width
+    vision_hidden: int = 32  # vision tower width
+    vision_heads: int = 2  # vision attention heads
+    vision_depth: int = 8  # vision transformer blocks
+    vision_intermediate: int = 64  # vision MLP width
     deepstack: tuple[int, ...] = ()  # vision layers fed into the first text layers
     vocab_size: int = 512  # BPE target size (the trained vocabulary may be smaller)
+    phrase_tokens: bool = True  # the chat roles and VisGym's fixed phrases one token each
     patch: int = 16  # vision patch size in pixels (one 16 px maze square)
-    merge: int = 7  # spatial merge: one image token per merge x merge patches (a 7x7 maze)
+    merge: int = 9  # spatial merge: one image token per merge x merge patches (a 9x9 maze)
     min_pixels: int = 32 * 32  # processor lower bound (keeps small mazes at their own size)
     max_pixels: int = 512 * 512  # processor upper bound
     seed: int = 0  # weight init seed
@@ -68,7 +72,8 @@ class TinySpec:
     @property
     def build_hash(self) -> str:
         """Short hash naming the cache folder of this build."""
-        return hashlib.sha256(repr(asdict(self)).encode()).hexdigest()[:12]
+        text = repr(asdict(self)) + (repr(phrases()) if self.phrase_tokens else "")
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
 def qwen3vl_config(spec: TinySpec, tokenizer_ids: dict[str, int], vocab: int):
@@ -135,7 +140,7 @@ def build_tiny(folder: str | Path, spec: TinySpec = TinySpec()) -> Path:
     from transformers import PreTrainedTokenizerFast, Qwen3VLForConditionalGeneration
 
     folder = Path(folder)
-    tok = build_tokenizer(spec.vocab_size)
+    tok = build_tokenizer(spec.vocab_size, spec.phrase_tokens)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,

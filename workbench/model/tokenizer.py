@@ -7,7 +7,7 @@ token. All Qwen special tokens are present, with the same strings as the real Qw
 
 from __future__ import annotations
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 # Qwen2/3-VL special tokens, in Qwen's order; ids 0.. in the tiny vocabulary.
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -38,6 +38,30 @@ VISION_TOKENS: tuple[str, ...] = (
     "<|video_pad|>",
 )
 ACTION_WORDS: tuple[str, ...] = ("up", "down", "left", "right", "stop", "move")
+PHRASES: tuple[str, ...] = (
+    "system\n", "user\n", "assistant\n",
+    "Action executed successfully.", "Cannot move into a wall.",
+    "This is step", ". You are allowed to take", " more steps.",
+    "You are navigating a", "You have at most", " turns; each reply is one turn.",
+    "The image shows walls (gray) and paths (white). You are the blue circle; the goal is the "
+    "red square.",
+    "The maze is drawn as text: '#' wall, '.' path, 'A' you, 'G' the goal.",
+    "Reach the goal: the episode ends when you step onto it.",
+    "Walk to the goal, then stop: you succeed only if you stop on the goal.",
+    "Reply with exactly one word: up, down, left, right or stop. Example: up",
+    "Reply with exactly one action: ('move', d) with d 0=right, 1=up, 2=left, 3=down, or "
+    "('stop', 'stop'). Example: ('move', 0)",
+)
+"""Whole tokens of a `phrase_tokens=True` tokenizer (each also after a space): the chat roles
+and the maze's fixed prompt and feedback phrases (envs/env.py; tests/test_model.py checks that
+a maze turn is 18 tokens and the system prompt 19, against 41 and 165 in word pieces). The text
+a model is shown is the same either way, cut coarser."""
+
+
+def phrases() -> tuple[str, ...]:
+    """PHRASES, each also after a space (the maze joins its parts with spaces)."""
+    return tuple(p for text in PHRASES for p in (text, " " + text))
+
 
 # Jinja chat template in Qwen-VL's format; explicit '\n' strings so no newline is swallowed.
 CHAT_TEMPLATE = (
@@ -65,7 +89,7 @@ _SENTENCES: tuple[str, ...] = (
     "('move', 0) ('move', 1) ('move', 2) ('move', 3) ('stop', 'stop')",
     "<action>up</action> <action>down</action> <action>left</action> <action>right</action>",
     "#######\n#A....#\n#.###.#\n#...#G#\n#######",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+    " ".join(str(n) for n in range(41)),
 )
 
 
@@ -75,8 +99,10 @@ def training_corpus() -> list[str]:
     return list(_SENTENCES) * 20 + words * 200
 
 
-def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
-    """Train byte-level BPE on `training_corpus()`; deterministic (same bytes every build)."""
+def build_tokenizer(vocab_size: int = 512, phrase_tokens: bool = False) -> Tokenizer:
+    """Train byte-level BPE on `training_corpus()`; deterministic (same bytes every build).
+    `phrase_tokens` adds `phrases()` as whole tokens (the tiny default; the 8B shapes keep word
+    pieces, so their benchmarks see about as many text tokens a turn as the real tokenizer's)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
@@ -87,6 +113,8 @@ def build_tokenizer(vocab_size: int = 512) -> Tokenizer:
         show_progress=False,
     )
     tok.train_from_iterator(training_corpus(), trainer=trainer)
+    if phrase_tokens:
+        tok.add_tokens([AddedToken(p, normalized=False) for p in phrases()])
     for word in ACTION_WORDS:
         ids = tok.encode(word).ids
         if len(ids) != 1:

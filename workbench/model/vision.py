@@ -9,9 +9,9 @@ attention calls whose launches keep the GPU waiting (benchmarks/RESULTS.md, issu
 A maze's images all have one size, so the packed sequence is N images x L patches: the same
 attention is one SDPA call over a batch of N. `batch_vision_attention(model)` gives each vision
 attention module that forward; a batch of mixed sizes, or another attention implementation, goes
-through transformers' own forward unchanged. A host on a CUDA device installs it
-(`session.host.make_host`); the CPU keeps transformers' loop, whose rounding the pinned tiny-sft
-build was made with (the two agree to about 1e-6, not bit for bit).
+through transformers' own forward unchanged. Every host installs it (`session.host.make_host`):
+on the CPU too, where a tiny 9x9 update's 100 images x 8 vision layers were 800 calls. It agrees
+with transformers' loop to about 1e-6, not bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +21,25 @@ from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
+
+
+def linear_patch_embed(model: torch.nn.Module) -> int:
+    """Give every Qwen3-VL vision patch embedding a linear forward: its Conv3d's kernel is its
+    stride and its input exactly one kernel, so the convolution is one matrix product over the
+    flattened patch (the same weights; on the CPU 3x faster than oneDNN's Conv3d with its
+    gradient). Returns how many modules there are."""
+    count = 0
+    for module in model.modules():
+        if type(module).__name__ == "Qwen3VLVisionPatchEmbed":
+            module.forward = _linear_embed_forward.__get__(module)
+            count += 1
+    return count
+
+
+def _linear_embed_forward(self: Any, hidden_states: torch.Tensor) -> torch.Tensor:
+    weight = self.proj.weight
+    flat = hidden_states.to(weight.dtype).reshape(-1, weight[0].numel())
+    return F.linear(flat, weight.reshape(weight.shape[0], -1), self.proj.bias)
 
 
 def batch_vision_attention(model: torch.nn.Module, on: bool = True) -> int:

@@ -20,12 +20,13 @@ from workbench.policy.stream import (
     append_user,
     chat_format,
     encode_image,
+    keep_last_images,
     start_stream,
 )
 
 __all__ = [
     "Batch", "ChatFormat", "Completion", "LiveBatch", "decode", "extend", "open_batch",
     "repeat_rows", "select_rows", "SamplingParams", "Stream", "VisionInput",
-    "append_reply", "append_user", "chat_format", "encode_image", "make_batch",
+    "append_reply", "append_user", "chat_format", "encode_image", "keep_last_images", "make_batch",
     "masked_log_softmax", "sample", "start_stream", "token_logprobs",
 ]

@@ -18,6 +18,7 @@ trainer can re-run it exactly.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -107,10 +108,57 @@ def chat_format(processor: Any) -> ChatFormat:
 
 
 def encode_image(processor: Any, image_HW3: np.ndarray) -> VisionInput:
-    """Run the processor's image pipeline on one RGB uint8 image."""
-    out = processor.image_processor(images=[image_HW3], return_tensors="pt")
+    """The processor's image pipeline on one RGB uint8 image. An image the processor would not
+    resize (`keeps_size`: the tiny default's mazes) is normalised through a 256-entry table and
+    cut into patches here (`patchify`): the processor's exact values, about 20x faster."""
+    ip = processor.image_processor
+    if keeps_size(ip, image_HW3.shape[0], image_HW3.shape[1]):
+        return VisionInput(patchify(ip, image_HW3), torch.tensor(
+            [1, image_HW3.shape[0] // ip.patch_size, image_HW3.shape[1] // ip.patch_size]),
+            image_HW3=image_HW3)
+    out = ip(images=[image_HW3], return_tensors="pt")
     return VisionInput(pixel_values=out["pixel_values"], grid_thw=out["image_grid_thw"][0],
                        image_HW3=image_HW3)
+
+
+def keeps_size(image_processor: Any, height: int, width: int) -> bool:
+    """Whether a Qwen-VL image processor keeps an image of this size as it is (sides multiples
+    of patch * merge, pixels within its bounds) and only rescales and normalises it."""
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    ip = image_processor
+    if not (ip.do_rescale and ip.do_normalize and ip.rescale_factor == 1 / 255):
+        return False
+    if not ip.do_resize:
+        return height % ip.patch_size == 0 and width % ip.patch_size == 0
+    factor = ip.patch_size * ip.merge_size
+    bounds = ip.size["shortest_edge"], ip.size["longest_edge"]
+    return smart_resize(height, width, factor, *bounds) == (height, width)
+
+
+def patchify(image_processor: Any, image_HW3: np.ndarray) -> torch.Tensor:
+    """(patches, channels * temporal * patch * patch) pixels of an image the processor keeps at
+    its size, in the processor's patch order, with its normalisation's exact float32 values."""
+    ip = image_processor
+    P, M, T = ip.patch_size, ip.merge_size, ip.temporal_patch_size
+    H, W, C = image_HW3.shape
+    table_256C = _normalise_table(tuple(ip.image_mean), tuple(ip.image_std), ip.rescale_factor)
+    image_HWC = table_256C[image_HW3, np.arange(C)]
+    patches = image_HWC.reshape(H // P // M, M, P, W // P // M, M, P, C).transpose(
+        0, 3, 1, 4, 6, 2, 5)  # (h blocks, w blocks, merge rows, merge cols, C, P, P)
+    out = np.broadcast_to(patches[:, :, :, :, :, None], patches.shape[:5] + (T, P, P))
+    return torch.from_numpy(out.reshape((H // P) * (W // P), C * T * P * P))
+
+
+@cache
+def _normalise_table(mean: tuple[float, ...], std: tuple[float, ...],
+                     rescale: float) -> np.ndarray:
+    """Each uint8 value normalised as the processor does it (rescale fused into the mean and
+    std: x - mean / rescale, divided by std / rescale, in float32): (256, channels)."""
+    values_256C = torch.arange(256, dtype=torch.float32)[:, None].repeat(1, len(mean))
+    table = values_256C.sub_(torch.tensor(mean) * (1.0 / rescale)).div_(
+        torch.tensor(std) * (1.0 / rescale))
+    return table.numpy()
 
 
 def _append(
@@ -161,6 +209,30 @@ def append_user(
     tokens = head + vision + tail
     types = [0] * len(head) + vision_types + [0] * len(tail)
     return _append(stream, tokens, types, images=(image,) if image is not None else ())
+
+
+def keep_last_images(stream: Stream, fmt: ChatFormat, k: int) -> Stream:
+    """The stream with only its last k images: each older image's tokens (<|vision_start|>, its
+    <|image_pad|> run, <|vision_end|>) and pixels are cut out, every other token is kept as it
+    is (the text of each turn stays). A stream with k or fewer images is returned as it is."""
+    drop = len(stream.images) - k
+    if drop <= 0:
+        return stream
+    keep_T: list[bool] = []
+    image, inside, cut = 0, False, False
+    for token in stream.tokens_T:
+        if token == fmt.vision_start:  # an image's span: <|vision_start|> ... <|vision_end|>
+            inside, cut = True, image < drop
+            image += 1
+        keep_T.append(not (inside and cut))
+        if token == fmt.vision_end:
+            inside = False
+    pick = [t for t, keep in enumerate(keep_T) if keep]
+    return Stream(tokens_T=[stream.tokens_T[t] for t in pick],
+                  mm_types_T=[stream.mm_types_T[t] for t in pick],
+                  loss_mask_T=[stream.loss_mask_T[t] for t in pick],
+                  logprobs_T=[stream.logprobs_T[t] for t in pick],
+                  images=stream.images[drop:])
 
 
 def append_reply(

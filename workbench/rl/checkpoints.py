@@ -49,7 +49,7 @@ RESUMABLE = (
     "sft.*",  # not read by GRPO
     # memory settings that leave the update unchanged (up to float rounding):
     "trainer.minibatch", "trainer.gradient_checkpointing", "trainer.selective_checkpointing",
-    "trainer.loss_tokens_only", "generator.gpu_memory_utilization",
+    "trainer.loss_tokens_only", "trainer.share_prefix", "generator.gpu_memory_utilization",
 )
 """Config keys that may differ between a checkpoint and the run resuming from it; a change to
 any other key is refused (ResumeConfigChanged). `section.*` allows the whole section."""

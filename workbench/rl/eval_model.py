@@ -56,6 +56,7 @@ def evaluate_model(config: RunConfig, model: str = "", adapter: str | Path = "",
         e = config.eval
         return phases.evaluate(sampler, config.maze, eval_set(config.env.size, e.n_mazes),
                                name or str(adapter or model), e.greedy, e.sampled_passes,
-                               e.temperature, config.generator.max_tokens)
+                               e.temperature, config.generator.max_tokens,
+                               history_images=config.generator.history_images)
     finally:
         session.close()

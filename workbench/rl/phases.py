@@ -5,7 +5,7 @@
     adv  = advantages(sc.rewards_P_G, "grpo")     # advantages_P_G, zero-variance groups
     data = make_datums(ro, adv)                   # one datum per episode that carries signal
     up   = update(training_client, data, "ppo", LossConfig(), AdamParams(learning_rate=3e-4))
-    ev   = evaluate(sampler, maze_cfg, eval_set(7), greedy=True, sampled_passes=2)
+    ev   = evaluate(sampler, maze_cfg, eval_set(9), greedy=True, sampled_passes=2)
 
 Advantages are group-relative: GRPO (r - mean) / (std + 1e-6) with the unbiased std as SkyRL
 computes it, Dr. GRPO (r - mean), RLOO (r - mean of the others). A group whose rewards are all
@@ -26,6 +26,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, cast
 
 import numpy as np
@@ -108,10 +109,11 @@ class RolloutRecord:
 
 
 def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
-            params: SamplingParams, seed: int) -> RolloutRecord:
+            params: SamplingParams, seed: int, history_images: int = 0) -> RolloutRecord:
     """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
-    client's weights version."""
-    return start_rollout(sampler, config, states_P, n, params, seed).result()
+    client's weights version; `history_images` > 0 keeps only the last k turns' images in the
+    model's context (generator.history_images)."""
+    return start_rollout(sampler, config, states_P, n, params, seed, history_images).result()
 
 
 @dataclass
@@ -136,15 +138,22 @@ class PendingRollout:
 
 
 def start_rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
-                  params: SamplingParams, seed: int) -> PendingRollout:
+                  params: SamplingParams, seed: int, history_images: int = 0) -> PendingRollout:
     """`rollout` without waiting: the episodes are sampled (on Ray, by the engines) while the
     caller goes on, e.g. with an update."""
     _check_states(states_P)
     start = time.perf_counter()
-    future = sampler.play(play_episodes, config, states_P, n, params, seed)
+    future = sampler.play(episode_loop(history_images), config, states_P, n, params, seed)
     pending = PendingRollout(future, params, seed, start)
     future.add_done_callback(lambda _: pending.finished.append(time.perf_counter()))
     return pending
+
+
+def episode_loop(history_images: int) -> Callable[..., list[list[Episode]]]:
+    """The episode loop a sampler plays: `rollout.play_episodes`, with an image window when
+    history_images > 0."""
+    return partial(play_episodes, history_images=history_images) if history_images \
+        else play_episodes
 
 
 # A reward function follows TRL's protocol: a list of episodes in, one float per episode out.
@@ -282,22 +291,35 @@ def step_advantages(episodes_P_G: list[list[Episode]], rewards_P_G: np.ndarray, 
 
 def datum_index(record: RolloutRecord, adv: AdvantageRecord,
                 drop_zero: bool = True) -> list[tuple[int, int]]:
-    """(maze, sample) of each episode that make_datums turns into a datum, in order."""
-    _check_pair("datum_index", record, adv)
-    return [(p, g) for p, group in enumerate(record.episodes_P_G) for g, ep in enumerate(group)
-            if not drop_zero or np.any(adv.of_turns(p, g, replies(_stream(ep))) != 0.0)]
+    """(maze, sample) of each datum make_datums makes, in order (an episode played with an
+    image window gives one datum per turn that carries signal)."""
+    return [(p, g) for p, g, _ in _datum_plan("datum_index", record, adv, drop_zero)]
 
 
 def make_datums(record: RolloutRecord, adv: AdvantageRecord,
                 drop_zero: bool = True) -> list[Datum]:
     """One datum per episode that carries signal: its stream, each reply's tokens carrying that
-    turn's advantage (`AdvantageRecord.of_turns`)."""
-    _check_pair("make_datums", record, adv)
-    datums = []
-    for p, g in datum_index(record, adv, drop_zero):
-        stream = _stream(record.episodes_P_G[p][g])
-        datums.append(turn_datum(stream, adv.of_turns(p, g, replies(stream))))
-    return datums
+    turn's advantage (`AdvantageRecord.of_turns`). An episode whose prompts an image window cut
+    (`windowed`) gives one datum per turn instead: the prompt that turn was sampled from
+    (`Episode.turn_streams`) and its reply, the reply alone weighted, so every datum holds
+    exactly the tokens the sampler was given and drew."""
+    return [datum for _, _, datum in _datum_plan("make_datums", record, adv, drop_zero)]
+
+
+def _datum_plan(phase: str, record: RolloutRecord, adv: AdvantageRecord,
+                drop_zero: bool) -> list[tuple[int, int, Datum]]:
+    """(maze, sample, datum) of every datum, in order (`phase` names the caller in errors)."""
+    _check_pair(phase, record, adv)
+    plan = []
+    for p, group in enumerate(record.episodes_P_G):
+        for g, ep in enumerate(group):
+            adv_R = adv.of_turns(p, g, replies(_stream(ep)))
+            if windowed(ep):
+                plan += [(p, g, last_reply_datum(s, a)) for s, a in zip(ep.turn_streams, adv_R)
+                         if not drop_zero or a != 0.0]
+            elif not drop_zero or np.any(adv_R != 0.0):
+                plan.append((p, g, turn_datum(_stream(ep), adv_R)))
+    return plan
 
 
 def _check_pair(phase: str, record: Any, adv: Any) -> None:
@@ -315,6 +337,22 @@ def _stream(episode: Episode) -> Stream:
 def replies(stream: Stream) -> int:
     """Replies in a stream: runs of loss-mask tokens (one per turn of a rollout)."""
     return 1 + max(stream.reply_index_T(), default=-1)
+
+
+def windowed(episode: Episode) -> bool:
+    """Whether an image window cut images from the episode's prompts (then its turns are
+    trained one datum each; otherwise every prompt was a prefix of its stream)."""
+    return bool(episode.turn_streams) and \
+        len(episode.turn_streams[-1].images) < len(_stream(episode).images)
+
+
+def last_reply_datum(stream: Stream, advantage: float) -> Datum:
+    """A datum whose last reply carries `advantage` with weight 1; the earlier replies in it
+    are context (weight 0)."""
+    index_T = stream.reply_index_T()
+    last = max(index_T, default=-1)
+    return Datum(stream, tuple(float(advantage) if r == last >= 0 else 0.0 for r in index_T),
+                 tuple(1.0 if r == last >= 0 else 0.0 for r in index_T))
 
 
 def turn_datum(stream: Stream, advantages_R: np.ndarray) -> Datum:
@@ -457,9 +495,10 @@ class EvalRecord:
 def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitState],
              name: str = "policy", greedy: bool = True, sampled_passes: int = 2,
              temperature: float = 1.0, max_tokens: int = 4, seed: int = 12345,
-             keep_streams: bool = False) -> EvalRecord:
-    """Success on the fixed set, greedy and/or sampled (passes = episodes per maze).
-    Episodes keep their replies and positions; token streams only with keep_streams."""
+             keep_streams: bool = False, history_images: int = 0) -> EvalRecord:
+    """Success on the fixed set, greedy and/or sampled (passes = episodes per maze), with the
+    image window of the policy's rollouts (`history_images`). Episodes keep their replies and
+    positions; token streams only with keep_streams."""
     _check_states(states)
     start = time.perf_counter()
     runs = [("greedy", 1, 0.0)] if greedy else []
@@ -467,10 +506,11 @@ def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitS
     results, episodes = [], {}
     for mode, n, temp in runs:
         params = SamplingParams(max_tokens=max_tokens, temperature=temp)
-        eps = sampler.play(play_episodes, config, states, n, params, seed).result()
+        eps = sampler.play(episode_loop(history_images), config, states, n, params,
+                           seed).result()
         if not keep_streams:  # token streams hold every image's pixels: ~1 MB a turn
             for ep in (ep for group in eps for ep in group):
-                ep.stream = None
+                ep.stream, ep.turn_streams = None, []
         episodes[mode] = eps
         results.append(summarize(name, mode, eps, states, config))
     return EvalRecord(results, episodes, time.perf_counter() - start)

@@ -10,7 +10,7 @@ import json
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,17 +54,20 @@ def build(folder: str | Path, recipe: PretrainRecipe = RECIPE) -> dict[str, Any]
                                        workdir=str(folder / ".eval")))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
-        e = config.eval
-        record = phases.evaluate(sampler, config.maze, eval_set(recipe.size, e.n_mazes),
-                                 TINY_SFT_NAME, e.greedy, e.sampled_passes, e.temperature,
-                                 config.generator.max_tokens)
+        e, sizes = config.eval, {}
+        for size in recipe.report_sizes:
+            maze = replace(config.maze, size=size)
+            record = phases.evaluate(sampler, maze, eval_set(size, e.n_mazes), TINY_SFT_NAME,
+                                     e.greedy, e.sampled_passes, e.temperature,
+                                     config.generator.max_tokens)
+            sizes[str(size)] = {r.mode: r.__dict__ | {"success_rate": r.success_rate,
+                                                     "solved": r.solved} for r in record.results}
     finally:
         session.close()
         shutil.rmtree(folder / ".eval", ignore_errors=True)
     report = {"recipe": asdict(recipe), "seconds": time.perf_counter() - start,
               "weights_sha256": weights_sha256(folder), "torch": torch.__version__,
-              **{r.mode: r.__dict__ | {"success_rate": r.success_rate, "solved": r.solved}
-                 for r in record.results}}
+              "sizes": sizes}
     (folder / "report.json").write_text(json.dumps(report, indent=1))
     return report
 
@@ -73,7 +76,8 @@ def main(argv: list[str]) -> None:
     """`--build FOLDER RECIPE_JSON` (the child process), or no argument: build or find the
     default and print its report."""
     if argv[:1] == ["--build"]:
-        build(argv[1], PretrainRecipe(**json.loads(argv[2])))
+        fields = json.loads(argv[2])
+        build(argv[1], PretrainRecipe(**fields | {"report_sizes": tuple(fields["report_sizes"])}))
         return
     lines: list[str] = []
 

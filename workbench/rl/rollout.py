@@ -6,7 +6,7 @@ each samples one reply; the reply is parsed, the environment steps, and the next
 (image + feedback + turn budget) is appended to the episode's token stream. Streams only grow by
 appending, so the record holds exactly the tokens the sampler saw and produced.
 
-    episodes_P_G = play_model(lm, MazeConfig(), eval_set(7, 8), n=4, params=SamplingParams())
+    episodes_P_G = play_model(lm, MazeConfig(), eval_set(9, 8), n=4, params=SamplingParams())
 
 `play_episodes` is the same loop in the shape a session runs beside its sampler
 (`session.host.EpisodeLoop`): `sampler.play(play_episodes, task, states_P, n, params, seed)`.
@@ -34,6 +34,7 @@ from workbench.policy import (
     append_user,
     chat_format,
     encode_image,
+    keep_last_images,
     start_stream,
 )
 from workbench.policy.engine import Engine, TransformersEngine
@@ -51,6 +52,10 @@ class Episode:
     reward: float = 0.0  # episode reward (task and format terms)
     success: bool = False  # solved under the config's reward rule
     stream: Stream | None = None  # token stream (model policies only)
+    turn_streams: list[Stream] = field(default_factory=list)
+    # with an image window (generator.history_images = k): per turn, the prompt the sampler
+    # was given (older images cut out) and the reply it sampled, what the update trains on
+    # once images were cut (`phases.windowed`). Empty without a window.
 
     def __repr__(self) -> str:
         """One line: outcome, turns, the first replies, the path's ends."""
@@ -114,12 +119,17 @@ def play_model(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     engine: Engine | None = None,
+    history_images: int = 0,
 ) -> list[list[Episode]]:
     """G = n episodes per maze, all live episodes decoded together each turn: episodes_P_G.
 
     `engine` draws the replies (default: the transformers engine over lm.model). Each maze's
     first prompt is prefilled once and shared by its G rows; after that every turn prefills only
-    the new observation (KV cache kept across turns) and drops finished rows.
+    the new observation (KV cache kept across turns) and drops finished rows. With
+    `history_images` = k > 0 only the last k turns keep their image (older turns keep their
+    text: `policy.keep_last_images`): once a row holds more than k images its prompt is no
+    longer an extension of the last, so the rows are prefilled anew each turn, and each turn's
+    prompt and sampled reply are kept in `Episode.turn_streams`.
     """
     engine = engine or TransformersEngine(lm)
     fmt = chat_format(lm.processor)
@@ -144,6 +154,10 @@ def play_model(
         completions = live.decode(params, generator)
         for i, done in zip(rows, completions):
             reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
+            if history_images:
+                prompt = keep_last_images(streams[i], fmt, history_images)
+                episodes[i].turn_streams.append(
+                    append_reply(prompt, fmt, done.tokens, done.logprobs))
             streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
             obs, info = record_step(episodes[i], envs[i], reply)
             if not envs[i].done:
@@ -151,17 +165,21 @@ def play_model(
             episodes[i].stream = streams[i]
         keep = [b for b, i in enumerate(rows) if not envs[i].done]
         rows = [rows[b] for b in keep]
-        if rows:
+        if history_images and any(len(streams[i].images) > history_images for i in rows):
+            live = engine.open([keep_last_images(streams[i], fmt, history_images)
+                                for i in rows], 1)
+        elif rows:
             live.advance(keep, [streams[i] for i in rows])
     return [episodes[p * n:(p + 1) * n] for p in range(len(init_states_P))]
 
 
 def play_episodes(lm: LoadedModel, engine: Engine, task: Task, init_states_P: list[Any], n: int,
-                  params: SamplingParams, seed: int) -> list[list[Episode]]:
+                  params: SamplingParams, seed: int, history_images: int = 0
+                  ) -> list[list[Episode]]:
     """The episode loop a session runs beside its sampler (`session.host.EpisodeLoop`):
     play_model with the engine of the sampler's weights version, sampling seeded by `seed`."""
     return play_model(lm, task, init_states_P, n, params, torch.Generator().manual_seed(seed),
-                      engine)
+                      engine, history_images)
 
 
 # A scripted policy picks the next reply text from (maze, position, rng).

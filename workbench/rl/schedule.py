@@ -31,3 +31,22 @@ def step_mazes(config: RunConfig, step: int) -> list[InitState]:
 def step_seed(config: RunConfig, step: int) -> int:
     """Sampling seed of a step."""
     return config.trainer.seed * 1_000_003 + step
+
+
+REFILL_OFFSET = 20_000_000
+"""Training-maze index where the refill mazes of dynamic sampling start (the step mazes start at
+0 and SFT's at 50,000,000, each plus the trainer seed's offset)."""
+
+
+def refill_mazes(config: RunConfig, step: int, round_: int, n: int) -> list[InitState]:
+    """The n <= P refill mazes of round `round_` (1-based) of a step (trainer.dynamic_sampling):
+    a block of P training mazes per (step, round), never a task of the eval set."""
+    t = config.trainer
+    block = (step - 1) * max(t.dynamic_sampling, 1) + round_ - 1
+    first = REFILL_OFFSET + block * t.train_batch_size + t.seed * 100_000_000
+    return train_states(config.env.size, first, n)
+
+
+def refill_seed(config: RunConfig, step: int, round_: int) -> int:
+    """Sampling seed of a refill round (apart from every step's seed)."""
+    return step_seed(config, step) + 500_000_000 * round_

@@ -10,6 +10,7 @@ set.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -77,22 +78,37 @@ class SFTStep:
 
 
 def sft_steps(training_client, config: MazeConfig, first_maze: int, steps: int,
-              batch: int, adam: AdamParams, noise: float = 0.0) -> Iterator[SFTStep]:
+              batch: int, adam: AdamParams, noise: float = 0.0,
+              schedule: str = "constant") -> Iterator[SFTStep]:
     """Yield after each SFT step (a notebook can plot the loss as it goes); step s trains on
-    training mazes first_maze + (s - 1) * batch, ... (`envs.train_states`)."""
+    training mazes first_maze + (s - 1) * batch, ... (`envs.train_states`) at `sft_lr(adam,
+    schedule, s, steps)`. The next step's episodes are played while this step trains."""
     processor = training_client.get_processor()
     fmt = chat_format(processor)
     loss_cfg = LossConfig(reduction="token_mean")
+
+    def datums(step: int) -> list[Datum]:
+        states = train_states(config.size, first_maze + (step - 1) * batch, batch)
+        return [oracle_datum(processor, fmt, config, s, noise, s.maze_seed) for s in states]
+
+    ready = datums(1)
     for step in range(1, steps + 1):
         start = time.perf_counter()
-        states = train_states(config.size, first_maze + (step - 1) * batch, batch)
-        datums = [oracle_datum(processor, fmt, config, s, noise, s.maze_seed) for s in states]
-        fb = training_client.forward_backward(datums, "cross_entropy", loss_cfg)
-        opt = training_client.optim_step(adam)
+        fb = training_client.forward_backward(ready, "cross_entropy", loss_cfg)
+        opt = training_client.optim_step(sft_lr(adam, schedule, step, steps))
+        ready = datums(step + 1) if step < steps else []
         out = fb.result()
         yield SFTStep(step, out.loss, out.metrics["tokens"], opt.result().grad_norm,
                       time.perf_counter() - start)
 
+
+def sft_lr(adam: AdamParams, schedule: str, step: int, steps: int) -> AdamParams:
+    """The optimiser settings of a 1-based SFT step: `adam` as it is (constant), or its learning
+    rate times a cosine from 1 at step 1 to 0 after the last (cosine)."""
+    if schedule == "constant":
+        return adam
+    return replace(adam, learning_rate=adam.learning_rate * 0.5 * (
+        1.0 + math.cos(math.pi * (step - 1) / steps)))
 
 
 def run_sft(config: Any, log: Any = print) -> Path:
@@ -127,7 +143,7 @@ def run_sft(config: Any, log: Any = print) -> Path:
     from tqdm.auto import tqdm
 
     steps = sft_steps(session.training_client, config.maze, first_maze, config.sft.steps,
-                      config.sft.batch_size, adam, config.sft.noise)
+                      config.sft.batch_size, adam, config.sft.noise, config.sft.lr_schedule)
     log = tqdm.write if log is print else log
     start, done = time.perf_counter(), 0
     for st in tqdm(steps, total=config.sft.steps, desc="SFT steps", leave=False, disable=None):

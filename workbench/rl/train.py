@@ -37,7 +37,13 @@ from workbench.rl.checkpoints import (
     set_rng_state,
 )
 from workbench.rl.evaluate import turn_rates
-from workbench.rl.schedule import learning_rate, step_mazes, step_seed
+from workbench.rl.schedule import (
+    learning_rate,
+    refill_mazes,
+    refill_seed,
+    step_mazes,
+    step_seed,
+)
 from workbench.session import AdamParams, LossConfig
 from workbench.session.protocols import SessionLike, TrainingClientLike
 
@@ -96,7 +102,7 @@ def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
     record = phases.evaluate(sampler, c.maze, eval_set(c.env.size, c.eval.n_mazes), name,
                              c.eval.greedy, c.eval.sampled_passes, c.eval.temperature,
-                             c.generator.max_tokens)
+                             c.generator.max_tokens, history_images=c.generator.history_images)
     rundir.write_json(trainer.run_dir / "eval" / f"step_{trainer.step:06d}.json",
                       {"step": trainer.step, "results": [r.__dict__ for r in record.results]})
     trainer.last_eval = record
@@ -117,14 +123,16 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
     sync_seconds = time.perf_counter() - t0 - waited  # Ray: the new weights reach every engine
     params = SamplingParams(max_tokens=c.generator.max_tokens, temperature=c.generator.temperature)
+    window = c.generator.history_images
     ro = ro_ahead if ro_ahead is not None else phases.rollout(
         sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt, params,
-        step_seed(c, step))
+        step_seed(c, step), window)
+    ro, sampled_P_G = refill(c, sampler, ro, params, step)
     speed = trainer.session.speed_metrics()  # this rollout's (queued before the next one)
     if samples_ahead(c, step):
         trainer.ahead = phases.start_rollout(sampler, c.maze, step_mazes(c, step + 1),
                                              c.generator.n_samples_per_prompt, params,
-                                             step_seed(c, step + 1))
+                                             step_seed(c, step + 1), window)
     sc = phases.score(ro)
     adv = phases.advantages(sc.rewards_P_G, c.trainer.advantage, ro.episodes_P_G,
                             c.trainer.step_advantage, c.trainer.step_gamma)
@@ -137,7 +145,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
                        epochs=c.trainer.update_epochs) if datums else (
         phases.UpdateRecord.empty(adam.learning_rate))  # no step; the loop says why, once
     trainer.step = step
-    row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0)
+    row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0, sampled_P_G)
     row["time/weight_sync"] = sync_seconds
     row["time/rollout_wait"] = waited if ahead is not None else ro.seconds
     row["rollout/policy_lag"] = 1 if ahead is not None else 0  # steps behind the updated weights
@@ -151,6 +159,32 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     rundir.append_metrics(trainer.run_dir, row, trainer.config.trainer.logger)
     trainer.session.report_metrics(row, trainer.run_dir.name)  # Ray: to Ray's metrics
     return row
+
+
+def refill(config: RunConfig, sampler: Any, ro: phases.RolloutRecord, params: SamplingParams,
+           step: int) -> tuple[phases.RolloutRecord, list[list[Any]]]:
+    """trainer.dynamic_sampling (DAPO): each group of `ro` that carries no signal is replaced by
+    the group of a fresh refill maze (`schedule.refill_mazes`), for up to N rounds or until
+    every group carries signal. Returns the record to train on (P groups, the last round's
+    flat ones included) and every group sampled this step (for the success metrics)."""
+    c = config
+    sampled_P_G = list(ro.episodes_P_G)
+    for round_ in range(1, c.trainer.dynamic_sampling + 1):
+        adv = phases.advantages(phases.score(ro).rewards_P_G, c.trainer.advantage,
+                                ro.episodes_P_G, c.trainer.step_advantage, c.trainer.step_gamma)
+        live = {p for p, _ in phases.datum_index(ro, adv)}
+        flat = [p for p in range(len(ro.episodes_P_G)) if p not in live]
+        if not flat:
+            break
+        new = phases.rollout(sampler, c.maze, refill_mazes(c, step, round_, len(flat)),
+                             c.generator.n_samples_per_prompt, params,
+                             refill_seed(c, step, round_), c.generator.history_images)
+        groups = list(ro.episodes_P_G)
+        for p, group in zip(flat, new.episodes_P_G):
+            groups[p] = group
+        sampled_P_G += new.episodes_P_G
+        ro = replace(ro, episodes_P_G=groups, seconds=ro.seconds + new.seconds)
+    return ro, sampled_P_G
 
 
 def checkpoint_due(config: RunConfig, step: int) -> bool:
@@ -169,21 +203,25 @@ def samples_ahead(config: RunConfig, step: int) -> bool:
 
 
 def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
-                 adv: phases.AdvantageRecord, up: phases.UpdateRecord, seconds: float) -> dict:
-    flat = ro.flat
-    solved = [ep.turns for ep in flat if ep.success]
+                 adv: phases.AdvantageRecord, up: phases.UpdateRecord, seconds: float,
+                 sampled_P_G: list[list[Any]]) -> dict:
+    """The step's metrics; success and turns count every episode sampled (refills included),
+    the rest the P groups trained on."""
+    flat, everything = ro.flat, [ep for group in sampled_P_G for ep in group]
+    solved = [ep.turns for ep in everything if ep.success]
     row = {
         "step": step,
         "reward/mean": float(sc.rewards_P_G.mean()),
         "reward/std": float(sc.rewards_P_G.std()),
-        "rollout/success_rate": float(np.mean([ep.success for ep in flat])),
-        "rollout/turns_mean": float(np.mean([ep.turns for ep in flat])),
+        "rollout/success_rate": float(np.mean([ep.success for ep in everything])),
+        "rollout/turns_mean": float(np.mean([ep.turns for ep in everything])),
+        "rollout/groups_sampled": len(sampled_P_G),
         "rollout/reply_tokens_mean": float(np.mean(  # model rollouts: every episode has a stream
             [sum(cast(Stream, ep.stream).loss_mask_T) for ep in flat])),
         "rollout/entropy": ro.reply_entropy(),
         "rollout/zero_variance_groups": adv.zero_variance_groups,
         "rollout/zero_variance_frac": adv.zero_variance_groups / len(ro.episodes_P_G),
-        **{f"rollout/{k}": v for k, v in turn_rates(flat).items()},
+        **{f"rollout/{k}": v for k, v in turn_rates(everything).items()},
         "update/datums": up.datums,
         "update/learning_rate": up.learning_rate,
         "time/rollout": ro.seconds,

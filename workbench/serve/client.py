@@ -2,7 +2,7 @@
 
     from openai import OpenAI
     episode = play_via_endpoint(OpenAI(base_url=..., api_key=...), "tiny:maze-v1", MazeConfig(),
-                                eval_set(7, 1)[0])
+                                eval_set(9, 1)[0])
     trajectory_player(episode)
 
 Each turn sends the whole conversation so far: the system rules, then for every turn the maze

@@ -27,7 +27,7 @@ import torch
 
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
 from workbench.model.lora import lora_in_model_dtype
-from workbench.model.vision import batch_vision_attention
+from workbench.model.vision import batch_vision_attention, linear_patch_embed
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.policy.engine import Engine
 from workbench.policy.engines import make_engine
@@ -95,8 +95,8 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> 
         engine=make_engine(engine, lm, spec.lora.rank if spec.lora else None, adapters),
         speed=spec.speed,
     )
-    if lm.model.device.type == "cuda":  # one attention call a vision layer (model/vision.py)
-        batch_vision_attention(lm.model)
+    batch_vision_attention(lm.model)  # one attention call a vision layer (model/vision.py)
+    linear_patch_embed(lm.model)  # the patch convolution as one matrix product
     if trainer:
         _trainer_fast_paths(host, spec.speed)
     if sampler and spec.speed.cuda_graphs and spec.engine.name == "transformers" \
@@ -297,7 +297,7 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
         keep = [[w != 0 for w in d.weights_T] for d in datums] \
             if host.speed.loss_tokens_only else None
         logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
-                                           host.pad_id, keep)
+                                           host.pad_id, keep, host.speed.share_prefix)
         device = logp_B_T[0].device  # the side tables go where the model is (cuda on GPU)
         sampler_B_T = [torch.tensor(s.logprobs_T, device=device) for s in streams]
         adv_B_T = [torch.tensor(d.advantages_T, device=device) for d in datums]

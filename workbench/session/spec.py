@@ -40,6 +40,7 @@ class SpeedSettings:
     selective_checkpointing: bool = False  # trainer.selective_checkpointing
     compile_layers: bool = False  # trainer.compile_layers
     loss_tokens_only: bool = False  # trainer.loss_tokens_only
+    share_prefix: bool = False  # trainer.share_prefix
     lora_autocast: bool = False  # trainer.lora_autocast
 
 
