@@ -112,7 +112,7 @@ def test_00_quickstart(kernel: str, sft_model: str, tmp_path: Path) -> None:
     assert m["steps"] == [1, 2, 3] and m["eval_steps"] == [0, 3]
     assert all(0.0 <= r <= 1.0 for r in m["reward_mean"] + m["success_rate"])
     assert any(0.0 < r < 1.0 for r in m["reward_mean"]), "no step had a group with signal"
-    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(9, 8), 15, "reach_goal")
+    assert m["ceiling"] == m["oracle_ceiling"] == oracle_ceiling(eval_set(9, 16), 15, "reach_goal")
     assert all(1 <= s <= m["ceiling"] for s in m["eval_greedy_solved"])
     assert m["cluster"] == "in-process"
     assert_pictures_saved(tmp_path / "00_quickstart.ipynb")

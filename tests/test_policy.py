@@ -437,22 +437,27 @@ def test_shared_prefix_gives_the_same_logprobs_and_gradients(tiny, fmt: ChatForm
                                                               pad_id: int, keep: bool) -> None:
     """share_prefix runs each maze's first prompt once and continues its episodes from the
     cache: log-probs to 1e-5 and gradients to 1e-5 relative of the plain forward."""
-    from workbench.policy.forward import prefix_groups, token_logprobs, vision_merge
+    from workbench.policy.forward import image_digest, prefix_groups, token_logprobs, vision_merge
 
     streams = _group_streams(tiny, fmt)
     p, group_B = prefix_groups(streams, vision_merge(tiny.model))
     assert group_B == [0, 0, 0, 0, 4, 4, 4, 4, 8, 8, 8, 8]
+    # one maze's four share the first prompt: the same tokens and image; the next maze's
+    # first prompt is the same text over another image
     assert p == streams[0].loss_mask_T.index(1) and streams[0].tokens_T[:p] == \
-        streams[3].tokens_T[:p] != streams[4].tokens_T[:p]
+        streams[3].tokens_T[:p] == streams[4].tokens_T[:p]
+    first = [image_digest(s.images[0]) for s in streams]
+    assert first[0] == first[3] != first[4]
     keep_B_T = [[m == 1 for m in s.loss_mask_T] for s in streams] if keep else None
     results = []
     for share in (False, True):
         tiny.model.zero_grad()
         logp, ent = token_logprobs(tiny.model, streams, 1.0, fmt.banned, pad_id, keep_B_T, share)
-        weight = [torch.tensor(s.loss_mask_T, dtype=torch.float32) for s in streams]
-        (sum((lp * w).sum() for lp, w in zip(logp, weight)) + 0.1 * sum(e.sum() for e in ent)
-         ).backward()
-        results.append(([(lp * w).detach() for lp, w in zip(logp, weight)],
+        # prompt tokens may be banned for sampling (-inf): only the sampled ones count
+        sampled = [torch.where(torch.tensor(s.loss_mask_T) == 1, lp, 0.0)
+                   for s, lp in zip(streams, logp)]
+        (sum(lp.sum() for lp in sampled) + 0.1 * sum(e.sum() for e in ent)).backward()
+        results.append(([lp.detach() for lp in sampled],
                         {n: q.grad.clone() for n, q in tiny.model.named_parameters()
                          if q.grad is not None}))
     tiny.model.zero_grad()

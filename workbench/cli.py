@@ -236,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="tiny-sft -> GRPO on held-out mazes, table and plots")
     demo.add_argument("--out", default="runs/demo", help="output folder")
     demo.add_argument("--long", action="store_true",
-                      help="6,000 more SFT steps first, then 100 GRPO steps (make demo-long)")
+                      help="8,000 more SFT steps first, then 60 GRPO steps (make demo-long)")
     demo.set_defaults(func=_demo)
     _job_commands(sub, keys)
     _serving_commands(sub)

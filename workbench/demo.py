@@ -41,12 +41,12 @@ DEMO_OVERRIDES = [
     f"trainer.eval_interval={EVAL_EVERY}",
     "trainer.ckpt_interval=20", "trainer.hf_save_interval=20", "eval.sampled_passes=2",
 ]
-LONG_OVERRIDES = DEMO_OVERRIDES + ["trainer.total_steps=100"]
+LONG_OVERRIDES = DEMO_OVERRIDES + ["trainer.total_steps=60"]
 LONG_SFT_OVERRIDES = [
-    "sft.steps=6000", "sft.batch_size=4", "sft.learning_rate=5e-4", "sft.lr_schedule=cosine",
+    "sft.steps=8000", "sft.batch_size=4", "sft.learning_rate=5e-4", "sft.lr_schedule=cosine",
     "sft.noise=0.2", "sft.full_finetune=true", "trainer.seed=1"]
-"""--long first continues tiny-sft's SFT (the same recipe, 6000 more steps on fresh training
-mazes: trainer.seed=1), then runs GRPO from that model."""
+"""--long first continues tiny-sft's SFT (8000 more full fine-tuning steps at a cosine-decayed
+5e-4 on fresh training mazes: trainer.seed=1), then runs GRPO from that model."""
 
 
 def demo_config(out: Path, long: bool = False, overrides: tuple[str, ...] = ()) -> RunConfig:
