@@ -156,39 +156,48 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
     return result
 
 
+def _update_batch():
+    """A tiny session (LoRA 32 with the vision tower) and the 64 datums of one rollout of the
+    demo's shape (8 mazes x 8 samples), advantages +-1 in turn."""
+    from workbench.config import PRESETS
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_mazes
+    from workbench.session import SessionSpec, create_session, datum_from_stream
+
+    config = PRESETS["tiny"]
+    session = create_session(SessionSpec("tiny", config.lora.settings,
+                                         workdir="/tmp/workbench-bench"))
+    sampler = session.training_client.save_weights_and_get_sampling_client()
+    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
+                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
+    return session, datums
+
+
+def _update(tc, datums):
+    """One PPO update of these datums (sequence-mean loss, a negligible learning rate)."""
+    from workbench.rl import phases
+    from workbench.session import AdamParams, LossConfig
+
+    return phases.update(tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
+                         AdamParams(learning_rate=1e-6))
+
+
 def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
     """Median seconds of the same update (8 mazes x 8 samples of one rollout, all 64 episodes,
     LoRA 32 with the vision tower) with each distinct image encoded once, and with every
     occurrence encoded (the code before: `takes_encoder_outputs` patched to False here)."""
     import workbench.policy.forward as forward
-    from workbench.config import PRESETS
-    from workbench.rl import phases
-    from workbench.rl.schedule import step_mazes
-    from workbench.session import (
-        AdamParams,
-        LossConfig,
-        SessionSpec,
-        create_session,
-        datum_from_stream,
-    )
 
-    config = PRESETS["tiny"]
-    session = create_session(SessionSpec("tiny", config.lora.settings,
-                                         workdir="/tmp/workbench-bench"))
+    session, datums = _update_batch()
     tc = session.training_client
-    sampler = tc.save_weights_and_get_sampling_client()
-    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
-    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
     images = [img for d in datums for img in d.stream.images]
     out = {"images": len(images), "distinct_images": len(forward.distinct(images)[0])}
     original = forward.takes_encoder_outputs
     for label, takes in (("every_occurrence", lambda cls: False), ("distinct", original)):
         forward.takes_encoder_outputs = takes
         try:
-            out[label] = _median_time(lambda: phases.update(
-                tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
-                AdamParams(learning_rate=1e-6)), repeats)
+            out[label] = _median_time(lambda: _update(tc, datums), repeats)
         finally:
             forward.takes_encoder_outputs = original
     session.close()
@@ -201,32 +210,13 @@ def bench_shared_prefix(repeats: int = 5) -> dict[str, float]:
     run for every episode."""
     from dataclasses import replace
 
-    from workbench.config import PRESETS
-    from workbench.rl import phases
-    from workbench.rl.schedule import step_mazes
-    from workbench.session import (
-        AdamParams,
-        LossConfig,
-        SessionSpec,
-        create_session,
-        datum_from_stream,
-    )
-
-    config = PRESETS["tiny"]
-    session = create_session(SessionSpec("tiny", config.lora.settings,
-                                         workdir="/tmp/workbench-bench"))
+    session, datums = _update_batch()
     tc, host = session.training_client, session.host
-    sampler = tc.save_weights_and_get_sampling_client()
-    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
-    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
     out = {"tokens": sum(len(d.stream) for d in datums),
            "prefix": datums[0].stream.loss_mask_T.index(1)}
     for label in ("every_episode", "shared", "every_episode", "shared"):  # alternated
         host.speed = replace(host.speed, share_prefix=label == "shared")
-        seconds = _median_time(lambda: phases.update(
-            tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
-            AdamParams(learning_rate=1e-6)), repeats)
+        seconds = _median_time(lambda: _update(tc, datums), repeats)
         out[label] = min(out.get(label, seconds), seconds)
     session.close()
     return out
