@@ -343,10 +343,10 @@ def _run_all_cells(page, expect, attempts: int = 4) -> None:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     started = page.locator(".jp-CodeCell .jp-InputPrompt").first
-    dialog_accept = page.locator(".jp-Dialog .jp-mod-accept")
+    dialog_accept = page.locator(".jp-Dialog .jp-mod-accept").first
     for attempt in range(attempts):
         try:
-            if dialog_accept.is_visible():  # "Select Kernel" covered the menu once (clean clone)
+            if dialog_accept.is_visible():  # "Select Kernel" covered the menu (clean clones)
                 dialog_accept.click()
             page.get_by_role("menuitem", name="Run", exact=True).click(timeout=10_000)
             page.get_by_role("menuitem", name="Run All Cells", exact=True).click(timeout=10_000)
@@ -355,6 +355,10 @@ def _run_all_cells(page, expect, attempts: int = 4) -> None:
         except (AssertionError, PlaywrightTimeout):  # a dialog in the way, or a dropped run
             if attempt == attempts - 1:
                 raise
+            try:  # the dialog may have opened after the check above: accept it now
+                dialog_accept.click(timeout=5_000)
+            except PlaywrightTimeout:
+                pass
 
 
 def test_trajectory_player_in_a_real_browser(lab: str) -> None:
