@@ -147,25 +147,30 @@ def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,
     trainer.loss_tokens_only and trainer.lora_autocast (a no-op on this float32 model) change
     how the update is computed, not what it is: step 1 matches the plain run (same rollout, same
     loss, grads)."""
-    from workbench.rl.train import train
-
     extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
                       "trainer.gradient_checkpointing=true",
                       "trainer.selective_checkpointing=true", "trainer.compile_layers=true",
                       "trainer.loss_tokens_only=true", "trainer.lora_autocast=true"]
     config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the CLI run of straight_run (OMP_NUM_THREADS=1)
-    try:
-        trainer = train(config, log=lambda *_: None)
-    finally:
-        torch.set_num_threads(threads)
+    trainer = _train_one_thread(config)
     host = trainer.session.host
     assert host.speed.loss_tokens_only and host.speed.lora_autocast
     assert host.lm.model.is_gradient_checkpointing
     layers = host.lm.model.get_base_model().model.language_model.layers
     assert all(layer.compiled_for_training for layer in layers)
     _assert_first_step_equals(tmp_path, straight_run)
+
+
+def _train_one_thread(config):
+    """train(config) on one torch thread, as the CLI run of straight_run (OMP_NUM_THREADS=1)."""
+    from workbench.rl.train import train
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return train(config, log=lambda *_: None)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _assert_first_step_equals(run_dir: Path, straight_run: Path) -> None:
@@ -299,17 +304,10 @@ def test_share_prefix_keeps_the_update(straight_run: Path, sft_model: str,
                                        tmp_path: Path) -> None:
     """trainer.share_prefix runs each maze's first prompt once in the update: step 1 matches
     the plain run (same rollout, the same loss and grad norm to 1e-4)."""
-    from workbench.rl.train import train
-
     extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
                       "trainer.share_prefix=true"]
     config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the CLI run of straight_run (OMP_NUM_THREADS=1)
-    try:
-        trainer = train(config, log=lambda *_: None)
-    finally:
-        torch.set_num_threads(threads)
+    trainer = _train_one_thread(config)
     assert trainer.session.host.speed.share_prefix
     _assert_first_step_equals(tmp_path, straight_run)
 
