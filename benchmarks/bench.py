@@ -165,7 +165,7 @@ def _update_batch():
     from workbench.session import SessionSpec, create_session, datum_from_stream
 
     config = PRESETS["tiny"]
-    session = create_session(SessionSpec("tiny", config.lora.settings,
+    session = create_session(SessionSpec("tiny", config.lora,
                                          workdir="/tmp/workbench-bench"))
     sampler = session.training_client.save_weights_and_get_sampling_client()
     ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
@@ -206,7 +206,7 @@ def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
 
 def bench_shared_prefix(repeats: int = 5) -> dict[str, float]:
     """Median seconds of the update of one rollout's 64 episodes (8 mazes x 8 samples, LoRA 32
-    with the vision tower) with each maze's first prompt run once (trainer.share_prefix) and
+    with the vision tower) with each maze's first prompt run once (speed.share_prefix) and
     run for every episode."""
     from dataclasses import replace
 
@@ -224,7 +224,7 @@ def bench_shared_prefix(repeats: int = 5) -> dict[str, float]:
 
 def bench_dynamic_sampling(steps: int = 6) -> dict[str, dict[str, float]]:
     """The demo's first `steps` GRPO steps from tiny-sft (`demo.DEMO_OVERRIDES`), without and
-    with trainer.dynamic_sampling=2: median seconds a step, datums a step, groups rolled out."""
+    with algorithm.dynamic_sampling=2: median seconds a step, datums a step, groups rolled out."""
     import tempfile
 
     from workbench.demo import demo_config
@@ -234,7 +234,7 @@ def bench_dynamic_sampling(steps: int = 6) -> dict[str, dict[str, float]]:
     for rounds in (0, 2):
         with tempfile.TemporaryDirectory() as folder:
             config = demo_config(Path(folder), overrides=(
-                f"trainer.total_steps={steps}", f"trainer.dynamic_sampling={rounds}",
+                f"trainer.total_steps={steps}", f"algorithm.dynamic_sampling={rounds}",
                 "trainer.ckpt_interval=0", "trainer.hf_save_interval=0",
                 "trainer.keep_step_records=false"))
             trainer = start(config, log=lambda *_: None)
@@ -454,7 +454,7 @@ def print_core() -> None:
           f"maze), better of two medians, s: every episode's prompt {p['every_episode']:.2f}, "
           f"each maze's prompt once {p['shared']:.2f}")
     for rounds, r in bench_dynamic_sampling().items():
-        print(f"demo's first 6 GRPO steps, trainer.dynamic_sampling={rounds[-1]}, medians: "
+        print(f"demo's first 6 GRPO steps, algorithm.dynamic_sampling={rounds[-1]}, medians: "
               f"{r['step_s']:.2f} s a step, {r['datums']:.0f} datums, {r['groups']:.0f} groups "
               "rolled out")
     o = bench_optimizer()

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/merge_precision.py     # ~15 s on 2 cores
 
-The fused decode path (`generator.fused_decode`, `policy/fused.py`) folds the adapter into a
+The fused decode path (`speed.fused_decode`, `policy/fused.py`) folds the adapter into a
 bf16 copy of each weight: W + s B A is rounded once to W's bf16 grid. The trainer (and the
 unfused sampler) computes x W and s (x A) B separately. Once the adapter is non-zero, the two
 differ by that rounding: up to half a bf16 step of W per element, whatever the adapter's size.

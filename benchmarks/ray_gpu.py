@@ -18,10 +18,10 @@ Sections:
   update of the same datums against 1 worker (written by ray1 to --share).
 - ray_split: colocate_all=false: on 2 GPUs only 1 worker + 1 engine fit (2 + 2 needs 4 GPUs);
   with weight_sync, the 8B LoRA's sync through the object store and over NCCL (median of 3).
-- vllm_actors: the tiny model (bf16) with generator.engine=vllm in --vllm-actors engine actors
+- vllm_actors: the tiny model (bf16) with engine.name=vllm in --vllm-actors engine actors
   colocated with as many trainers (one a GPU): a short rollout, one update, each actor's GPU
   memory and vLLM's share.
-- pipeline: trainer.off_policy_steps=1 against on-policy steps, the seed_gpu settings as they are
+- pipeline: algorithm.off_policy_steps=1 against on-policy steps, the seed_gpu settings as they are
   (vLLM with merged weights in a 0.3 share, compiled layers) on Ray, 1 trainer + 1 engine
   colocated on one GPU: the next rollout runs in the engine's process while the trainer's
   process updates, the GPU shared between them.
@@ -29,8 +29,8 @@ Sections:
   process, driven from the session's sampler lane (a thread), while this process updates.
 - summary: reads ray_gpu.json and prints the comparisons.
 
-Settings, for time and memory: no compilation (generator.compile_decode=false,
-trainer.compile_layers=false: compiling takes minutes per process), one short warm-up (a 2-turn
+Settings, for time and memory: no compilation (speed.compile_decode=false,
+speed.compile_layers=false: compiling takes minutes per process), one short warm-up (a 2-turn
 rollout, which captures the first CUDA graphs, and one update call), then one timed step. A
 colocated GPU holds a trainer (17.5 GB of weights + update) and an engine (its own 17.5 GB + the
 fused decode copy 13.9 GB + its KV pool), so the trainer uses full gradient checkpointing at 8
@@ -103,11 +103,11 @@ def run_config(args: argparse.Namespace) -> Any:
     return apply_overrides(PRESETS["seed_gpu"], [
         f"model.name={args.shape}", f"model.device={args.device}",
         f"model.dtype={'bfloat16' if gpu else 'float32'}",
-        "generator.compile_decode=false", "trainer.compile_layers=false",
-        "trainer.gradient_checkpointing=true", f"trainer.minibatch={args.minibatch}",
+        "speed.compile_decode=false", "speed.compile_layers=false",
+        "speed.gradient_checkpointing=true", f"algorithm.minibatch={args.minibatch}",
         f"trainer.train_batch_size={args.mazes}", f"generator.n_samples_per_prompt={args.group}",
         f"generator.max_turns={args.turns}", f"generator.max_tokens={args.max_tokens}",
-        f"generator.gpu_memory_utilization={args.engine_share}"])
+        f"engine.gpu_memory_utilization={args.engine_share}"])
 
 
 def make_spec(args: argparse.Namespace, workdir: Path, cluster: ClusterSpec) -> SessionSpec:
@@ -437,8 +437,8 @@ def section_vllm_actors(args: argparse.Namespace) -> dict[str, Any]:
     """Tiny model, bf16, vLLM engines in --vllm-actors Ray actors (one a GPU), each colocated
     with a trainer."""
     spec = session_spec(apply_overrides(PRESETS["tiny"], [
-        "model.name=tiny", "model.device=cuda", "model.dtype=bfloat16", "generator.engine=vllm",
-        f"generator.gpu_memory_utilization={args.vllm_share}", "lora.rank=8", "lora.alpha=16",
+        "model.name=tiny", "model.device=cuda", "model.dtype=bfloat16", "engine.name=vllm",
+        f"engine.gpu_memory_utilization={args.vllm_share}", "lora.rank=8", "lora.alpha=16",
         "lora.vision=false", "generator.max_tokens=4"]), Path(args.workdir) / "vllm")
     n = args.vllm_actors
     cluster = ClusterSpec("local", num_workers=n, num_engines=n, colocate_all=True,
@@ -474,16 +474,16 @@ def pipeline_spec(args: argparse.Namespace, cluster: ClusterSpec) -> SessionSpec
         f"model.dtype={'bfloat16' if gpu else 'float32'}",
         f"trainer.train_batch_size={args.mazes}", f"generator.n_samples_per_prompt={args.group}",
         f"generator.max_turns={args.turns}", f"generator.max_tokens={args.max_tokens}",
-        f"generator.gpu_memory_utilization={args.vllm_share}"]
-        + ([] if gpu else ["generator.engine=transformers", "trainer.compile_layers=false",
-                           "generator.compile_decode=false"]))
+        f"engine.gpu_memory_utilization={args.vllm_share}"]
+        + ([] if gpu else ["engine.name=transformers", "speed.compile_layers=false",
+                           "speed.compile_decode=false"]))
     return replace(session_spec(config, Path(args.workdir) / "pipeline"), cluster=cluster)
 
 
 def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: bool
                     ) -> list[dict[str, Any]]:
     """GRPO steps as rl/train.py runs them. ahead=False: sync, rollout, update. ahead=True
-    (trainer.off_policy_steps=1): each step takes the rollout the step before started, syncs,
+    (algorithm.off_policy_steps=1): each step takes the rollout the step before started, syncs,
     starts the next rollout from the same weights, and updates while the engine samples it."""
     tc = session.training_client
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
@@ -523,7 +523,7 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
 
 
 def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
-    """trainer.off_policy_steps=1 on one GPU: 1 trainer + 1 engine colocated on Ray, the seed_gpu
+    """algorithm.off_policy_steps=1 on one GPU: 1 trainer + 1 engine colocated on Ray, the seed_gpu
     settings (`pipeline_steps`)."""
     connect_ray(args)
     return pipeline_steps(args, "pipeline", "1 trainer + 1 engine", ClusterSpec(
@@ -532,7 +532,7 @@ def section_pipeline(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def section_pipeline_inprocess(args: argparse.Namespace) -> dict[str, Any]:
-    """trainer.off_policy_steps=1 in-process, the seed_gpu default: vLLM samples in its own
+    """algorithm.off_policy_steps=1 in-process, the seed_gpu default: vLLM samples in its own
     process on the session's sampler lane while this process updates (`pipeline_steps`)."""
     return pipeline_steps(args, "pipeline_inprocess", "in-process session", ClusterSpec())
 

@@ -298,7 +298,7 @@ def main() -> None:
                     default=list(ANCHOR_VARIANTS), help=f"of {', '.join(ANCHOR_VARIANTS)}")
     ap.add_argument("--memory", type=float, default=0.3, help="vLLM's GPU memory share")
     ap.add_argument("--vllm-lora", default="adapter", choices=("adapter", "merged"),
-                    help="generator.vllm_lora: LoRA kernels, or the adapter merged into vLLM")
+                    help="engine.vllm_lora: LoRA kernels, or the adapter merged into vLLM")
     ap.add_argument("--mazes", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--turns", type=int, default=15)

@@ -1,5 +1,5 @@
 """Sampler (vLLM) vs trainer log-probs at a model shape, on a CUDA machine with vLLM: a short
-rollout of the seed's mazes through `generator.engine=vllm`, then the trainer re-scores every
+rollout of the seed's mazes through `engine.name=vllm`, then the trainer re-scores every
 sampled reply token with the same weights (bf16 both sides). Prints one line of figures.
 
     python3 benchmarks/vllm_agreement.py --shape qwen3-vl-8b-shape   # random 8B weights

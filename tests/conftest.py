@@ -63,7 +63,7 @@ def tiny(tiny_dir: Path):
 SMALL_RUN = [
     "env.size=7", "generator.max_turns=10", "generator.max_tokens=2",
     "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
-    "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
+    "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "algorithm.minibatch=8",
     "env.format_weight=0.5",
 ]
 

@@ -31,7 +31,7 @@ from workbench.session.checkpoint import verify_folder
 
 RUN = ["trainer.total_steps=2", "trainer.ckpt_interval=1", "trainer.hf_save_interval=0",
        "trainer.eval_interval=0", "eval.n_mazes=2", "eval.sampled_passes=0",
-       "generator.max_turns=3", "trainer.learning_rate=1e-3"]
+       "generator.max_turns=3", "algorithm.learning_rate=1e-3"]
 
 
 def _config(tiny_dir: Path, small_run: list[str], run_dir: Path, *extra: str):

@@ -172,13 +172,13 @@ def test_job_overrides_make_paths_absolute_and_target_the_cluster(tmp_path, monk
 
 def test_cluster_config_keys() -> None:
     config = apply_overrides(PRESETS["tiny"], [
-        "cluster.address=ray://127.0.0.1:10001", "trainer.num_workers=2",
-        "generator.num_engines=3", "trainer.colocate_all=false", "trainer.strategy=ddp"])
-    assert (config.trainer.num_workers, config.generator.num_engines) == (2, 3)
-    assert config.trainer.colocate_all is False
+        "cluster.address=ray://127.0.0.1:10001", "cluster.num_workers=2",
+        "cluster.num_engines=3", "cluster.colocate_all=false", "cluster.strategy=ddp"])
+    assert (config.cluster.num_workers, config.cluster.num_engines) == (2, 3)
+    assert config.cluster.colocate_all is False
     assert PRESETS["tiny"].cluster.address == ""  # in-process by default
-    for bad, needle in (("trainer.strategy=zero3", "ddp"), ("cluster.address=myhost", "ray://"),
-                        ("trainer.num_workers=0", ">= 1"), ("trainer.strategy=fsdp", "cuda"),
+    for bad, needle in (("cluster.strategy=zero3", "ddp"), ("cluster.address=myhost", "ray://"),
+                        ("cluster.num_workers=0", ">= 1"), ("cluster.strategy=fsdp", "cuda"),
                         ("cluster.adress=local", "cluster.address")):
         with pytest.raises(ConfigError, match=needle):
             apply_overrides(PRESETS["tiny"], [bad])

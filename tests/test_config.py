@@ -24,7 +24,8 @@ from workbench.config import (
 )
 from workbench.envs import MazeConfig
 
-SECTIONS = ("model", "lora", "env", "generator", "trainer", "eval", "sft")
+SECTIONS = ("model", "lora", "env", "generator", "engine", "trainer", "algorithm", "speed",
+            "eval", "sft", "cluster", "storage")
 
 # ------------------------------------------------------------------------- overrides
 
@@ -32,7 +33,7 @@ SECTIONS = ("model", "lora", "env", "generator", "trainer", "eval", "sft")
 def test_overrides_set_nested_values_with_their_types() -> None:
     cfg = apply_overrides(RunConfig(), [
         "generator.max_turns=10",  # int
-        "trainer.learning_rate=1e-3",  # float
+        "algorithm.learning_rate=1e-3",  # float
         "eval.greedy=false",  # bool
         "sft.full_finetune=TRUE",  # bool, any case
         "model.name=runs/sft/model",  # str
@@ -40,14 +41,14 @@ def test_overrides_set_nested_values_with_their_types() -> None:
         "run_dir=runs/x",  # a top-level key
     ])
     assert cfg.generator.max_turns == 10 and type(cfg.generator.max_turns) is int
-    assert cfg.trainer.learning_rate == 1e-3 and type(cfg.trainer.learning_rate) is float
+    assert cfg.algorithm.learning_rate == 1e-3 and type(cfg.algorithm.learning_rate) is float
     assert cfg.eval.greedy is False
     assert cfg.sft.full_finetune is True
     assert cfg.model.name == "runs/sft/model"
     assert cfg.env.format_weight == 0.2
     assert cfg.run_dir == "runs/x"
     # everything else keeps its default
-    changed = {"generator.max_turns", "trainer.learning_rate", "eval.greedy",
+    changed = {"generator.max_turns", "algorithm.learning_rate", "eval.greedy",
                "sft.full_finetune", "model.name", "env.format_weight", "run_dir"}
     before, after = flat_keys(RunConfig()), flat_keys(cfg)
     assert {k for k in before if before[k] != after[k]} == changed - {"sft.full_finetune"}
@@ -97,9 +98,9 @@ def test_override_without_equals_sign_is_rejected() -> None:
 
 def test_bad_choice_names_the_closest_choice() -> None:
     with pytest.raises(ConfigError) as err:
-        apply_overrides(RunConfig(), ["trainer.loss=ppx"])
+        apply_overrides(RunConfig(), ["algorithm.loss=ppx"])
     msg = str(err.value)
-    assert "trainer.loss" in msg and "'ppo'" in msg and "ppx" in msg
+    assert "algorithm.loss" in msg and "'ppo'" in msg and "ppx" in msg
 
 
 @pytest.mark.parametrize("key", sorted(CHOICES))
@@ -133,7 +134,7 @@ def test_one_sample_per_prompt_is_rejected() -> None:
 
 
 @pytest.mark.parametrize("key", ["generator.max_turns", "generator.max_tokens",
-                                 "trainer.train_batch_size", "trainer.minibatch",
+                                 "trainer.train_batch_size", "algorithm.minibatch",
                                  "eval.n_mazes", "lora.rank"])
 def test_non_positive_counts_are_rejected(key: str) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -168,7 +169,7 @@ def test_dict_round_trip(name: str) -> None:
 def test_dict_round_trip_of_changed_values() -> None:
     cfg = apply_overrides(PRESETS["seed_gpu"], [
         "trainer.resume_mode=from_path", "trainer.resume_path=runs/a b/ckpt",
-        "eval.greedy=false", "trainer.learning_rate=2.5e-06", "run_dir=runs/elsewhere"])
+        "eval.greedy=false", "algorithm.learning_rate=2.5e-06", "run_dir=runs/elsewhere"])
     assert from_dict(to_dict(cfg)) == cfg
 
 
@@ -206,12 +207,12 @@ def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
     assert cfg.env.format_weight == 0.2  # reward 0.8 task + 0.2 format
     assert cfg.sft.full_finetune is False
     # the 8B shape on one H200 (benchmarks/RESULTS.md: run 8, side by side)
-    assert cfg.generator.engine == "vllm" and cfg.generator.gpu_memory_utilization == 0.3
-    assert cfg.trainer.loss_tokens_only and cfg.trainer.lora_autocast
-    assert cfg.trainer.compile_layers and not cfg.trainer.gradient_checkpointing
-    assert cfg.trainer.minibatch == 4
-    assert cfg.generator.cuda_graphs and cfg.generator.fused_decode
-    assert cfg.generator.compile_decode
+    assert cfg.engine.name == "vllm" and cfg.engine.gpu_memory_utilization == 0.3
+    assert cfg.speed.loss_tokens_only and cfg.speed.lora_autocast
+    assert cfg.speed.compile_layers and not cfg.speed.gradient_checkpointing
+    assert cfg.algorithm.minibatch == 4
+    assert cfg.speed.cuda_graphs and cfg.speed.fused_decode
+    assert cfg.speed.compile_decode
 
 
 # ------------------------------------------------------------------------- help text
@@ -265,7 +266,70 @@ def test_cli_unknown_key_exits_2_with_a_hint() -> None:
     assert "Traceback" not in out.stderr
 
 
-def test_skyrl_spelling_of_colocate_all_sets_the_flat_key() -> None:
-    config = apply_overrides(PRESETS["tiny"], ["trainer.placement.colocate_all=false"])
-    assert config.trainer.colocate_all is False
-    assert apply_overrides(config, ["trainer.colocate_all=true"]).trainer.colocate_all is True
+SKYRL_KEYS = {  # SkyRL's spelling=value -> the key it sets here and the value it holds
+    "trainer.placement.colocate_all=false": ("cluster.colocate_all", False),
+    "trainer.placement.policy_num_gpus_per_node=2": ("cluster.num_workers", 2),
+    "generator.num_inference_engines=3": ("cluster.num_engines", 3),
+    "generator.backend=vllm": ("engine.name", "vllm"),
+    "generator.gpu_memory_utilization=0.45": ("engine.gpu_memory_utilization", 0.45),
+    "trainer.algorithm.advantage_estimator=rloo": ("algorithm.advantage", "rloo"),
+    "trainer.algorithm.loss_reduction=token_mean": ("algorithm.loss_reduction", "token_mean"),
+    "trainer.algorithm.eps_clip_low=0.1": ("algorithm.clip_low", 0.1),
+    "trainer.algorithm.eps_clip_high=0.28": ("algorithm.clip_high", 0.28),
+    "trainer.policy.optimizer_config.lr=3e-6": ("algorithm.learning_rate", 3e-6),
+    "trainer.policy.optimizer_config.max_grad_norm=0.5": ("algorithm.grad_clip_norm", 0.5),
+    "trainer.update_epochs_per_batch=2": ("algorithm.update_epochs", 2),
+    "trainer.gradient_checkpointing=true": ("speed.gradient_checkpointing", True),
+    # the keys the seed quotes are this config's own
+    "generator.n_samples_per_prompt=8": ("generator.n_samples_per_prompt", 8),
+    "generator.max_turns=15": ("generator.max_turns", 15),
+    "trainer.ckpt_interval=20": ("trainer.ckpt_interval", 20),
+    "trainer.resume_mode=latest": ("trainer.resume_mode", "latest"),
+    "trainer.hf_save_interval=20": ("trainer.hf_save_interval", 20),
+    "trainer.eval_interval=10": ("trainer.eval_interval", 10),
+}
+
+
+@pytest.mark.parametrize("override", sorted(SKYRL_KEYS))
+def test_skyrl_keys_are_accepted_verbatim(override: str) -> None:
+    key, value = SKYRL_KEYS[override]
+    assert flat_keys(apply_overrides(PRESETS["tiny"], [override]))[key] == value
+
+
+def test_skyrl_aliases_all_have_a_test() -> None:
+    from workbench.config import ALIASES
+
+    assert set(ALIASES) <= {o.split("=")[0] for o in SKYRL_KEYS}
+
+
+def test_each_knob_is_declared_once_by_the_record_a_session_is_opened_with() -> None:
+    """The lora, engine, speed and cluster sections are the session's own records, so a key's
+    default and help line come from one declaration."""
+    from workbench.model.lora import LoraSettings
+    from workbench.policy.engine import EngineSettings
+    from workbench.session.spec import ClusterSpec, SpeedSettings
+
+    config = RunConfig()
+    for name, record in (("lora", LoraSettings), ("engine", EngineSettings),
+                         ("speed", SpeedSettings), ("cluster", ClusterSpec)):
+        assert type(getattr(config, name)) is record
+        docs = field_docs(record)
+        assert set(docs) == {f.name for f in dataclasses.fields(record)}  # every knob has help
+        help_lines = [line for line in describe_keys(config).splitlines()
+                      if line.startswith(f"  {name}.")]
+        assert len(help_lines) == len(docs)
+        assert all(docs[line.split("=")[0].split(".")[1]] in line for line in help_lines)
+
+
+def test_a_session_spec_is_the_config_sections_with_what_the_run_fills_in(tmp_path) -> None:
+    from workbench.opener import read_spec, session_spec, write_spec
+
+    config = apply_overrides(PRESETS["tiny"], ["trainer.train_batch_size=3", "speed.kv_rows=0",
+                                               "lora.target_modules=q_proj,v_proj"])
+    spec = session_spec(config, tmp_path)
+    assert spec.lora == config.lora and spec.lora.target_modules == ("q_proj", "v_proj")
+    assert spec.cluster is config.cluster
+    assert spec.speed.kv_rows == 3 * 8 and spec.engine.max_images == 15
+    assert not spec.speed.cuda_graphs  # a CPU run: no CUDA graphs, whatever speed.cuda_graphs
+    write_spec(spec)
+    assert read_spec(tmp_path) == spec

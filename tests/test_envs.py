@@ -441,11 +441,12 @@ def test_the_demo_and_the_pretrained_policy_never_train_on_an_eval_task() -> Non
     from workbench.rl.sft import SFT_INDEX_OFFSET
 
     held = eval_task_keys(9)
-    sft = train_states(9, SFT_INDEX_OFFSET + RECIPE.seed * 100_000_000,
-                       RECIPE.steps * RECIPE.batch_size)
+    steps, batch = (int(RECIPE.setting(k)) for k in ("sft.steps", "sft.batch_size"))
+    sft = train_states(9, SFT_INDEX_OFFSET + int(RECIPE.setting("trainer.seed")) * 100_000_000,
+                       steps * batch)
     for long in (False, True):
         config = demo_config(Path("unused"), long)
-        assert config.env.size == RECIPE.size == 9
+        assert config.env.size == int(RECIPE.setting("env.size")) == 9
         grpo = [s for step in range(1, config.trainer.total_steps + 1)
                 for s in step_mazes(config, step)]
         assert not {task_key(init_maze(s)) for s in sft + grpo} & held

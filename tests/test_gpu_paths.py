@@ -179,7 +179,7 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
         warnings.simplefilter("default")  # Python's default: once per place
         fallen = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
-    assert lines == ["generator.cuda_graphs fell back to the slower path: RuntimeError: CUDA "
+    assert lines == ["speed.cuda_graphs fell back to the slower path: RuntimeError: CUDA "
                      "error: operation not permitted when stream is capturing"]
     assert not static.use_graphs
     assert [[c.tokens for c in turn] for turn in fallen] == \
@@ -209,7 +209,7 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
         warnings.simplefilter("default")
         fallen = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
-    assert lines == ["generator.compile_decode fell back to the slower path: "
+    assert lines == ["speed.compile_decode fell back to the slower path: "
                      "RuntimeError: inductor: no C compiler"]
     assert static.layer_step is layer_step
     assert [[c.tokens for c in turn] for turn in fallen] == \
@@ -251,7 +251,7 @@ def test_fused_weights_follow_the_sampler_version(small) -> None:
 
 
 def test_lora_in_model_dtype_keeps_the_gradients() -> None:
-    """trainer.lora_autocast on a bf16 base: the adapters see bf16 inputs (no float32 copies of
+    """speed.lora_autocast on a bf16 base: the adapters see bf16 inputs (no float32 copies of
     the activations), their weights and gradients stay float32, and the gradients equal peft's
     float32 path within bf16 rounding."""
     from workbench.model.lora import lora_in_model_dtype
@@ -290,7 +290,7 @@ def test_lora_in_model_dtype_keeps_the_gradients() -> None:
 
 
 def test_selective_checkpointing_keeps_the_gradients(small, monkeypatch) -> None:
-    """trainer.selective_checkpointing: the same loss and LoRA gradients as no checkpointing,
+    """speed.selective_checkpointing: the same loss and LoRA gradients as no checkpointing,
     and the policy keeps the base matmuls and attention but not LoRA's rank-r products."""
     from torch.utils.checkpoint import CheckpointPolicy
 

@@ -1,9 +1,10 @@
 """The package's layers, checked by walking every import (module level and inside functions):
 
-    envs, model  <  policy  <  session  <  cluster  <  opener  <  rl  <  cli, notebook, demo, serve
+    workbench, deps, advantages  <  loggers  <  envs, model  <  policy  <  session  <  storage
+    <  cluster  <  config  <  run, registry, opener  <  rl, jobs  <  viz, serve, notebook, demo, cli
 
-No import cycle; no underscore name imported from another module; the lower layers import nothing
-from the higher ones; the session and its Ray backend know neither the maze nor the run config.
+No import cycle; no underscore name imported from another module; no module imports from a layer
+above its own; the model, the sampler, the session and its Ray backend do not know the maze.
 """
 
 from __future__ import annotations
@@ -15,22 +16,39 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "workbench"
 
-FORBIDDEN = {
-    "workbench.envs": ("workbench.model", "workbench.policy", "workbench.session",
-                       "workbench.cluster", "workbench.rl", "workbench.config",
-                       "workbench.opener"),
-    "workbench.model": ("workbench.envs", "workbench.policy", "workbench.session",
-                        "workbench.cluster", "workbench.rl", "workbench.config",
-                        "workbench.opener"),
-    "workbench.policy": ("workbench.envs", "workbench.session", "workbench.cluster",
-                         "workbench.rl", "workbench.config", "workbench.opener"),
-    "workbench.session": ("workbench.envs", "workbench.cluster", "workbench.rl",
-                          "workbench.config", "workbench.opener"),
-    "workbench.cluster": ("workbench.envs", "workbench.rl", "workbench.config",
-                          "workbench.opener"),
-    "workbench.opener": ("workbench.rl",),
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("workbench", "workbench.deps", "workbench.advantages"),
+    ("workbench.loggers",),
+    ("workbench.envs", "workbench.model"),
+    ("workbench.policy",),
+    ("workbench.session",),
+    ("workbench.storage",),
+    ("workbench.cluster",),
+    ("workbench.config",),
+    ("workbench.run", "workbench.registry", "workbench.opener"),
+    ("workbench.rl", "workbench.jobs"),
+    ("workbench.viz", "workbench.serve", "workbench.notebook", "workbench.demo",
+     "workbench.cli", "workbench.__main__"),
+)
+"""Lowest first: a module may import its own layer and those below."""
+
+APART = {
+    "workbench.envs": ("workbench.model",),
+    "workbench.model": ("workbench.envs",),
+    "workbench.policy": ("workbench.envs",),
+    "workbench.session": ("workbench.envs",),
+    "workbench.storage": ("workbench.envs",),
+    "workbench.cluster": ("workbench.envs",),
 }
-"""package -> what it must not import (the maze lives in envs and rl, the run config above)."""
+"""Packages of the same or a higher layer that must not import these: the maze lives in envs and
+above the config, the model beside it."""
+
+
+def layer_of(module: str) -> int:
+    """The layer of a module: that of the longest package name it is or lies inside."""
+    best = max((name for layer in LAYERS for name in layer
+                if module == name or module.startswith(name + ".")), key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
 
 
 def module_name(path: Path) -> str:
@@ -110,10 +128,29 @@ def test_no_underscore_name_is_imported_from_another_module() -> None:
     assert private == []
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_lower_layers_do_not_import_higher_ones(package: str) -> None:
+def test_every_module_has_a_layer() -> None:
+    for name in MODULES:
+        layer_of(name)  # raises when no layer holds it
+
+
+def test_the_layer_walk_sees_a_climb() -> None:
+    assert layer_of("workbench.config") > layer_of("workbench.session.spec")
+    assert layer_of("workbench.rl.rollout") > layer_of("workbench.run")
+
+
+@pytest.mark.parametrize("layer", [layer[0] for layer in LAYERS])
+def test_no_module_imports_from_a_higher_layer(layer: str) -> None:
+    inside = [name for name in MODULES if layer_of(name) == layer_of(layer)]
+    assert inside, layer
+    climbs = [(name, m) for name in inside for m, _ in imports_of(name)
+              if m in MODULES and layer_of(m) > layer_of(name)]
+    assert climbs == []
+
+
+@pytest.mark.parametrize("package", sorted(APART))
+def test_the_maze_stays_above_the_session(package: str) -> None:
     inside = [name for name in MODULES if name == package or name.startswith(package + ".")]
     assert inside, package
     bad = [(name, m) for name in inside for m, _ in imports_of(name)
-           if any(m == f or m.startswith(f + ".") for f in FORBIDDEN[package])]
+           if any(m == f or m.startswith(f + ".") for f in APART[package])]
     assert bad == []

@@ -206,12 +206,12 @@ def test_loss_config_rejects_unknown_reduction() -> None:
 
 
 def test_loss_config_defaults() -> None:
-    from workbench.config import TrainerConfig
+    from workbench.config import AlgorithmConfig
 
     cfg = LossConfig()
     assert (cfg.clip_low, cfg.clip_high, cfg.cispo_max, cfg.reduction, cfg.temperature) == (
         0.2, 0.2, 4.0, "sequence_mean", 1.0)
-    assert cfg.reduction == TrainerConfig().loss_reduction  # what the training loop uses
+    assert cfg.reduction == AlgorithmConfig().loss_reduction  # what the training loop uses
 
 
 # ----------------------------------------------------------------------------- metrics

@@ -54,8 +54,8 @@ MAZE = MazeConfig(size=5, max_turns=3)
 PARAMS = SamplingParams(max_tokens=2)
 RUN = ["trainer.total_steps=3", "trainer.ckpt_interval=1", "trainer.eval_interval=0",
        "trainer.hf_save_interval=0", "eval.n_mazes=2", "eval.sampled_passes=0",
-       "trainer.learning_rate=1e-3", "trainer.resume_mode=none"]
-ON_RAY = ["cluster.address=local", "trainer.colocate_all=false"]
+       "algorithm.learning_rate=1e-3", "trainer.resume_mode=none"]
+ON_RAY = ["cluster.address=local", "cluster.colocate_all=false"]
 
 
 @pytest.fixture(scope="module")
@@ -134,10 +134,10 @@ def test_ray_run_matches_inprocess_and_uses_separate_bundles(ray_run: dict,
 
 def test_off_policy_run_on_ray_matches_inprocess(local_ray, sft_model: str,
                                                   small_run: list[str], tmp_path: Path) -> None:
-    """trainer.off_policy_steps=1 on Ray, whose engines sample step k+1 while the trainer
+    """algorithm.off_policy_steps=1 on Ray, whose engines sample step k+1 while the trainer
     updates step k, ends exactly as the same run in-process, where the two take turns on one
     worker: the same rollouts, losses and weights (policy lags 0, 1, 1)."""
-    extra = ["trainer.off_policy_steps=1", "trainer.ckpt_interval=0"]
+    extra = ["algorithm.off_policy_steps=1", "trainer.ckpt_interval=0"]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as Ray's actors run
     try:

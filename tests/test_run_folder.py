@@ -31,7 +31,7 @@ from workbench.storage import RunFolderExists
 
 RUN = ["trainer.total_steps=2", "trainer.ckpt_interval=1", "trainer.hf_save_interval=0",
        "trainer.eval_interval=0", "eval.n_mazes=2", "eval.sampled_passes=0",
-       "generator.max_turns=3", "trainer.learning_rate=1e-3"]
+       "generator.max_turns=3", "algorithm.learning_rate=1e-3"]
 HELD = ("3 checkpoints, 2 eval results, 2 step records, metrics.jsonl (4 rows), config.json, "
         "latest_checkpointed_iteration.txt, manifest.json, session_spec.json")
 """What the 2-step run's folder holds, as the messages list it."""
@@ -201,13 +201,13 @@ def test_the_cli_refuses_in_one_line(copy, tiny_dir, small_run) -> None:
 
 def test_resume_refuses_a_changed_config_naming_each_key(copy, tiny_dir, small_run) -> None:
     before = _snapshot(copy)
-    config = _config(tiny_dir, small_run, copy, "trainer.learning_rate=3e-4", "lora.rank=8",
+    config = _config(tiny_dir, small_run, copy, "algorithm.learning_rate=3e-4", "lora.rank=8",
                      "trainer.total_steps=3")
     with pytest.raises(ResumeConfigChanged) as info:
         start(config, log=_quiet)
     assert str(info.value) == (
         f"cannot resume from {copy / 'checkpoints' / 'global_step_2'} with another config: "
-        "lora.rank 4 -> 8, trainer.learning_rate 0.001 -> 0.0003. Only "
+        "lora.rank 4 -> 8, algorithm.learning_rate 0.001 -> 0.0003. Only "
         f"{', '.join(RESUMABLE)} may change on resume. Start a new run with another run_dir, "
         "or start this one over with trainer.resume_mode=none trainer.overwrite=true (which "
         "deletes it)")

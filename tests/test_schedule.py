@@ -12,14 +12,14 @@ from workbench.rl.schedule import learning_rate, step_mazes, step_seed
 
 
 def test_constant_schedule() -> None:
-    config = apply_overrides(PRESETS["tiny"], ["trainer.learning_rate=2e-4"])
+    config = apply_overrides(PRESETS["tiny"], ["algorithm.learning_rate=2e-4"])
     assert [learning_rate(config, s) for s in (1, 7, 40)] == [2e-4, 2e-4, 2e-4]
 
 
 def test_warmup_cosine_schedule() -> None:
     config = apply_overrides(PRESETS["tiny"], [
-        "trainer.lr_schedule=warmup_cosine", "trainer.warmup_steps=4",
-        "trainer.total_steps=14", "trainer.learning_rate=1e-3"])
+        "algorithm.lr_schedule=warmup_cosine", "algorithm.warmup_steps=4",
+        "trainer.total_steps=14", "algorithm.learning_rate=1e-3"])
     assert learning_rate(config, 1) == pytest.approx(2.5e-4)
     assert learning_rate(config, 4) == pytest.approx(1e-3)
     assert learning_rate(config, 9) == pytest.approx(1e-3 * 0.5 * (1 + math.cos(math.pi * 0.5)))
@@ -37,12 +37,12 @@ def test_step_mazes_are_a_function_of_the_step_and_never_eval_mazes() -> None:
 
 
 def test_refill_mazes_are_their_own_block_per_step_and_round() -> None:
-    """Dynamic sampling's refill mazes (trainer.dynamic_sampling) depend only on the step and
+    """Dynamic sampling's refill mazes (algorithm.dynamic_sampling) depend only on the step and
     round, never repeat a step maze or another round's, and are held out from the eval set."""
     from workbench.envs import eval_task_keys, init_maze, task_key
     from workbench.rl.schedule import refill_mazes, refill_seed
 
-    config = apply_overrides(PRESETS["tiny"], ["trainer.dynamic_sampling=2"])
+    config = apply_overrides(PRESETS["tiny"], ["algorithm.dynamic_sampling=2"])
     P = config.trainer.train_batch_size
     blocks = {(step, r): [s.maze_seed for s in refill_mazes(config, step, r, P)]
               for step in (1, 2, 3) for r in (1, 2)}

@@ -12,8 +12,8 @@ from workbench.config import PRESETS, apply_overrides
 from workbench.opener import read_spec, session_spec
 from workbench.session import ClusterSpec, SessionSpec, SpeedSettings
 
-SPEED = ["trainer.loss_tokens_only=true", "trainer.lora_autocast=true",
-         "trainer.gradient_checkpointing=true", "trainer.selective_checkpointing=true"]
+SPEED = ["speed.loss_tokens_only=true", "speed.lora_autocast=true",
+         "speed.gradient_checkpointing=true", "speed.selective_checkpointing=true"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_the_spec_carries_every_setting_of_the_config(run) -> None:
     spec = read_spec(run_dir)
     assert spec == session_spec(config, run_dir)
     assert spec.model == config.model.name and (spec.dtype, spec.device) == ("float32", "cpu")
-    assert spec.lora == config.lora.settings
+    assert spec.lora == config.lora
     assert spec.speed == SpeedSettings(kv_rows=3 * 4, gradient_checkpointing=True,
                                        selective_checkpointing=True, loss_tokens_only=True,
                                        lora_autocast=True)

@@ -95,7 +95,7 @@ def test_endpoint_url_from_the_environment(s3_server: str, s3_bucket: str,
 
 RUN = ["trainer.total_steps=2", "trainer.ckpt_interval=1", "trainer.hf_save_interval=1",
        "trainer.eval_interval=0", "eval.n_mazes=2", "eval.sampled_passes=0",
-       "generator.max_turns=3", "trainer.learning_rate=1e-3"]
+       "generator.max_turns=3", "algorithm.learning_rate=1e-3"]
 
 
 def _secret_free(text: str) -> None:

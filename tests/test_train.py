@@ -25,7 +25,7 @@ from workbench.run import read_metrics
 SMALL = [  # conftest's SMALL_RUN
     "env.size=7", "generator.max_turns=10", "generator.max_tokens=2",
     "generator.n_samples_per_prompt=4", "trainer.train_batch_size=3", "lora.rank=4",
-    "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "trainer.minibatch=8",
+    "lora.alpha=8", "eval.n_mazes=8", "eval.sampled_passes=1", "algorithm.minibatch=8",
     "env.format_weight=0.5",
 ]
 
@@ -48,7 +48,7 @@ def _comparable(rows: list[dict]) -> list[dict]:
 
 
 RESUME = ["trainer.total_steps=4", "trainer.ckpt_interval=2", "trainer.eval_interval=2",
-          "trainer.hf_save_interval=4", "trainer.learning_rate=1e-3"]
+          "trainer.hf_save_interval=4", "algorithm.learning_rate=1e-3"]
 
 
 @pytest.fixture(scope="session")
@@ -131,8 +131,8 @@ def test_grpo_improves_success_on_a_fixed_set(sft_model: str, tmp_path: Path) ->
         "env.format_weight=0.0", "eval.n_mazes=16", "eval.sampled_passes=2",
         "generator.n_samples_per_prompt=8", "trainer.train_batch_size=8",
         "generator.max_turns=15", "lora.rank=32", "lora.alpha=64",
-        "trainer.total_steps=10", "trainer.learning_rate=3e-4", "trainer.step_advantage=1.0",
-        "trainer.loss_reduction=sequence_mean", "trainer.eval_interval=5",
+        "trainer.total_steps=10", "algorithm.learning_rate=3e-4", "algorithm.step_advantage=1.0",
+        "algorithm.loss_reduction=sequence_mean", "trainer.eval_interval=5",
         "trainer.ckpt_interval=0", "trainer.hf_save_interval=0", "trainer.resume_mode=none"]))
     train(config, log=lambda *_: None)
     evals = [r for r in read_metrics(tmp_path / "e2e") if "eval/greedy_solved" in r]
@@ -143,14 +143,14 @@ def test_grpo_improves_success_on_a_fixed_set(sft_model: str, tmp_path: Path) ->
 
 def test_speed_settings_keep_the_update(straight_run: Path, sft_model: str,
                                         tmp_path: Path) -> None:
-    """trainer.gradient_checkpointing (selective), trainer.compile_layers,
-    trainer.loss_tokens_only and trainer.lora_autocast (a no-op on this float32 model) change
+    """speed.gradient_checkpointing (selective), speed.compile_layers,
+    speed.loss_tokens_only and speed.lora_autocast (a no-op on this float32 model) change
     how the update is computed, not what it is: step 1 matches the plain run (same rollout, same
     loss, grads)."""
     extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
-                      "trainer.gradient_checkpointing=true",
-                      "trainer.selective_checkpointing=true", "trainer.compile_layers=true",
-                      "trainer.loss_tokens_only=true", "trainer.lora_autocast=true"]
+                      "speed.gradient_checkpointing=true",
+                      "speed.selective_checkpointing=true", "speed.compile_layers=true",
+                      "speed.loss_tokens_only=true", "speed.lora_autocast=true"]
     config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
     trainer = _train_one_thread(config)
     host = trainer.session.host
@@ -186,11 +186,11 @@ def _assert_first_step_equals(run_dir: Path, straight_run: Path) -> None:
             assert got[key] == value, key
 
 
-OFF_POLICY = RESUME + ["trainer.off_policy_steps=1"]
+OFF_POLICY = RESUME + ["algorithm.off_policy_steps=1"]
 
 
 def test_off_policy_samples_ahead_and_resumes_exactly(sft_model: str, tmp_path: Path) -> None:
-    """trainer.off_policy_steps=1: step 2's rollout is exactly the one the step-0 weights make
+    """algorithm.off_policy_steps=1: step 2's rollout is exactly the one the step-0 weights make
     for step 2's mazes and seed (it was sampled ahead, beside step 1's update, which changed the
     weights); the step after a checkpoint samples on-policy again (lags 0, 1, 0, 1 with a
     checkpoint every 2 steps); and a run stopped at its step-2 checkpoint resumes to the metrics
@@ -211,8 +211,8 @@ def test_off_policy_samples_ahead_and_resumes_exactly(sft_model: str, tmp_path: 
         return tmp_path / folder
 
     straight = run("straight", ["trainer.resume_mode=none"])
-    [told] = [x for x in lines if x.startswith("trainer.off_policy_steps=1")]  # once a run
-    assert "generator.engine=transformers in-process" in told and "no overlap" in told
+    [told] = [x for x in lines if x.startswith("algorithm.off_policy_steps=1")]  # once a run
+    assert "engine.name=transformers in-process" in told and "no overlap" in told
     run("stopped", ["trainer.resume_mode=none", "trainer.total_steps=2"])
     resumed = run("stopped", ["trainer.resume_mode=latest"])
     rows = [r for r in read_metrics(straight) if "reward/mean" in r]
@@ -302,10 +302,10 @@ def test_off_policy_step_ignores_a_rollout_started_for_another_step(sft_model: s
 
 def test_share_prefix_keeps_the_update(straight_run: Path, sft_model: str,
                                        tmp_path: Path) -> None:
-    """trainer.share_prefix runs each maze's first prompt once in the update: step 1 matches
+    """speed.share_prefix runs each maze's first prompt once in the update: step 1 matches
     the plain run (same rollout, the same loss and grad norm to 1e-4)."""
     extra = RESUME + ["trainer.total_steps=1", "trainer.resume_mode=none",
-                      "trainer.share_prefix=true"]
+                      "speed.share_prefix=true"]
     config = apply_overrides(PRESETS["tiny"], _overrides(sft_model, tmp_path, extra))
     trainer = _train_one_thread(config)
     assert trainer.session.host.speed.share_prefix
@@ -314,7 +314,7 @@ def test_share_prefix_keeps_the_update(straight_run: Path, sft_model: str,
 
 def test_dynamic_sampling_replaces_the_groups_without_signal(sft_model: str,
                                                              tmp_path: Path) -> None:
-    """trainer.dynamic_sampling=2 (DAPO): the step's groups that carry signal are those of the
+    """algorithm.dynamic_sampling=2 (DAPO): the step's groups that carry signal are those of the
     plain step, and each flat group is replaced by a refill maze's group (refill_mazes), so the
     update gets more datums; the metrics count every group sampled."""
     from workbench.rl.schedule import refill_mazes
@@ -324,7 +324,7 @@ def test_dynamic_sampling_replaces_the_groups_without_signal(sft_model: str,
             "trainer.total_steps=1", "trainer.eval_interval=0", "trainer.ckpt_interval=0",
             "trainer.hf_save_interval=0", "trainer.resume_mode=none"]
     rows, records = [], []
-    for name, extra in (("plain", []), ("dynamic", ["trainer.dynamic_sampling=2"])):
+    for name, extra in (("plain", []), ("dynamic", ["algorithm.dynamic_sampling=2"])):
         config = apply_overrides(PRESETS["tiny"],
                                  _overrides(sft_model, tmp_path / name, base + extra))
         trainer = start(config, log=lambda *_: None)

@@ -245,28 +245,28 @@ def test_vllm_missing_raises_clear_error(monkeypatch: pytest.MonkeyPatch, tmp_pa
     with pytest.raises(ImportError) as err:
         make_engine(EngineSettings("vllm"), None, 8, tmp_path)
     msg = str(err.value)
-    assert "generator.engine=vllm" in msg and "pip install vllm==0.26.0" in msg
-    assert "generator.engine=transformers" in msg  # what to use instead on CPU
+    assert "engine.name=vllm" in msg and "pip install vllm==0.26.0" in msg
+    assert "engine.name=transformers" in msg  # what to use instead on CPU
 
 
 def test_config_selects_engine_with_skyrl_alias() -> None:
-    assert RunConfig().generator.engine == "transformers"
-    assert apply_overrides(RunConfig(), ["generator.engine=vllm"]).generator.engine == "vllm"
-    assert apply_overrides(RunConfig(), ["generator.backend=vllm"]).generator.engine == "vllm"
+    assert RunConfig().engine.name == "transformers"
+    assert apply_overrides(RunConfig(), ["engine.name=vllm"]).engine.name == "vllm"
+    assert apply_overrides(RunConfig(), ["generator.backend=vllm"]).engine.name == "vllm"
     with pytest.raises(ConfigError, match=r"generator\.engine.*'transformers', 'vllm'"):
-        apply_overrides(RunConfig(), ["generator.engine=sglang"])
-    merged = apply_overrides(RunConfig(), ["generator.engine=vllm", "generator.vllm_lora=merged"])
+        apply_overrides(RunConfig(), ["engine.name=sglang"])
+    merged = apply_overrides(RunConfig(), ["engine.name=vllm", "engine.vllm_lora=merged"])
     assert session_spec(merged, "/tmp/w").engine.vllm_lora == "merged"
-    assert RunConfig().generator.vllm_lora == "adapter"
+    assert RunConfig().engine.vllm_lora == "adapter"
     with pytest.raises(ConfigError, match=r"generator\.vllm_lora='merge'.*'adapter', 'merged'"):
-        apply_overrides(RunConfig(), ["generator.vllm_lora=merge"])
+        apply_overrides(RunConfig(), ["engine.vllm_lora=merge"])
 
 
 def test_default_engine_is_transformers(tiny, tmp_path: Path) -> None:
     engine = make_engine(EngineSettings(), tiny, 8, tmp_path)
     assert isinstance(engine, TransformersEngine) and engine.name == "transformers"
     assert not engine.samples_own_weights  # it samples the model: one lane in-process
-    with pytest.raises(ValueError, match="generator.engine='nope'"):
+    with pytest.raises(ValueError, match="engine.name='nope'"):
         make_engine(EngineSettings("nope"), tiny, 8, tmp_path)
 
 
@@ -283,7 +283,7 @@ def test_vllm_settings_come_from_the_model_or_fail_in_one_line() -> None:
     assert checked_max_len(EngineSettings("vllm"), "bfloat16", 262144) == 16384
     assert checked_max_len(EngineSettings("vllm", max_model_len=65536), "bfloat16",
                            262144) == 65536
-    config = apply_overrides(RunConfig(), ["generator.max_model_len=2048"])
+    config = apply_overrides(RunConfig(), ["engine.max_model_len=2048"])
     assert session_spec(config, "runs/x").engine.max_model_len == 2048
     assert checked_max_len(EngineSettings("vllm", max_model_len=2048), "float16", 4096) == 2048
     with pytest.raises(ValueError, match="max_model_len 8192 is above the model's "
@@ -296,7 +296,7 @@ def test_vllm_settings_come_from_the_model_or_fail_in_one_line() -> None:
 def test_vllm_memory_share_is_checked_before_vllm_starts() -> None:
     gib = 2**30
     check_memory_share(0.3, free_bytes=100 * gib, total_bytes=140 * gib)  # 42 GiB of 100 free
-    with pytest.raises(ValueError, match=r"generator.gpu_memory_utilization 0.5 asks vLLM for "
+    with pytest.raises(ValueError, match=r"engine.gpu_memory_utilization 0.5 asks vLLM for "
                        r"70.0 GiB of the GPU's 140 GiB, but only 50.0 GiB is free .* use 0.34 "
                        r"or less"):
         check_memory_share(0.5, free_bytes=50 * gib, total_bytes=140 * gib)
@@ -430,7 +430,7 @@ def test_sample_sends_version_adapter_and_params(vllm_session: Session, fake_vll
 
 def test_ray_sampler_engine_installs_versions_as_adapters(fake_vllm: FakeVLLM, tiny_dir: Path,
                                                          tmp_path: Path, tiny) -> None:
-    """The Ray SamplerEngine actor's class (used here without Ray) with generator.engine=vllm:
+    """The Ray SamplerEngine actor's class (used here without Ray) with engine.name=vllm:
     a version sent by the trainer is exported and sampled by its LoRARequest."""
     from workbench.cluster.workers import SamplerEngine
     from workbench.session.host import snapshot
@@ -454,7 +454,7 @@ def _pushed(fake_vllm: FakeVLLM, start: int) -> dict[str, torch.Tensor]:
 def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, tiny_dir: Path,
                                                            tmp_path: Path, tiny,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """generator.vllm_lora=merged: vLLM is built without LoRA, with our worker extension. Each
+    """engine.vllm_lora=merged: vLLM is built without LoRA, with our worker extension. Each
     weights version reaches its weights as W + scale * B @ A under the checkpoint's own names
     (what vLLM's load_weights maps onto its fused q/k/v and gate/up) when it is first sampled,
     the prefix cache is then dropped, and requests carry no LoRARequest. An older client's
@@ -616,7 +616,7 @@ def test_vllm_session_samples_beside_the_trainer(fake_vllm: FakeVLLM, tiny_dir: 
 
 def test_ray_trainer_worker_starts_no_vllm(fake_vllm: FakeVLLM, tiny_dir: Path,
                                            tmp_path: Path) -> None:
-    """A Ray trainer worker of a generator.engine=vllm session samples nothing, so it builds no
+    """A Ray trainer worker of a engine.name=vllm session samples nothing, so it builds no
     vLLM: on one H200 the trainer's own 0.3 share (42 GB) beside the engine actor's ran the
     seed-shape update out of memory."""
     from workbench.cluster.workers import SamplerEngine, TrainerWorker

@@ -5,7 +5,7 @@
     python -m workbench eval   model.name=runs/sft/model --adapter runs/grpo/exports/global_step_40
     python -m workbench replay runs/grpo --step 7
     python -m workbench demo   (the whole SFT -> GRPO demo; see `make demo`)
-    python -m workbench train  cluster.address=local trainer.num_workers=2   (on Ray actors)
+    python -m workbench train  cluster.address=local cluster.num_workers=2   (on Ray actors)
     python -m workbench submit --address http://127.0.0.1:8265 --follow trainer.total_steps=40
     python -m workbench status|logs|stop <job_id> [--address ...]   (Ray Jobs)
     python -m workbench adapters list|publish|promote|rollback --store s3://bucket/prefix

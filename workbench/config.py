@@ -16,18 +16,22 @@ import ast
 import dataclasses
 import difflib
 import inspect
+import json
 import typing
 from dataclasses import dataclass, field
 from functools import cache
 from typing import Any
 
 from workbench import loggers
+from workbench.advantages import ADVANTAGES
 from workbench.deps import require
 from workbench.envs import GRAMMARS, REWARDS, MazeConfig
 from workbench.envs.env import OBSERVATIONS
+from workbench.model.lora import LoraSettings
+from workbench.policy.engine import EngineSettings
 from workbench.policy.engines import ENGINES
-from workbench.rl.advantages import ADVANTAGES
 from workbench.session.losses import LOSSES, REDUCTIONS
+from workbench.session.spec import ClusterSpec, SpeedSettings
 
 
 class ConfigError(ValueError):
@@ -56,28 +60,6 @@ class ModelConfig:
     """Weights dtype: float32 | bfloat16 | float16."""
     device: str = "cpu"
     """Torch device of the policy: cpu | cuda."""
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """LoRA adapter on the language model's projections (and, optionally, the vision tower)."""
-
-    rank: int = 32
-    """LoRA rank r (the seed uses 32)."""
-    alpha: int = 64
-    """LoRA alpha; the update is scaled by alpha / rank."""
-    vision: bool = True
-    """Also adapt the vision tower's linear layers and its merger. The tiny default's weakest
-    part is its perception: with the vision tower adapted, 10 GRPO steps took held-out greedy
-    success from 24 to 39 of 64, against 24 to 23 with the language model alone (README, "What
-    moved the numbers"). The seed's 8B recipe (seed_gpu) adapts the language model only."""
-
-    @property
-    def settings(self) -> Any:
-        """The LoraSettings a session is opened with."""
-        from workbench.model.lora import LoraSettings
-
-        return LoraSettings(rank=self.rank, alpha=self.alpha, vision=self.vision)
 
 
 @dataclass(frozen=True)
@@ -115,53 +97,59 @@ class GeneratorConfig:
     image and older turns keep only their text (VisGym's truncated history). With a window each
     turn's prompt is built anew, and the update trains one datum per turn: the prompt that turn
     was sampled from and its reply (`rl.rollout.play_model`, `rl.phases.make_datums`)."""
-    gpu_memory_utilization: float = 0.5
-    """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
-    max_model_len: int = 0
-    """vLLM's context length in tokens: 0 = the model's max_position_embeddings, at most 16384
-    (a 15-turn seed-shape episode holds about 2,500 tokens; Qwen3-VL-8B allows 262,144, whose KV
-    for one request alone would take 36 GiB). Above the model's own limit: an error."""
-    engine: str = "transformers"
-    """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
-    the vllm package; prefix caching, LoRA adapters loaded by version). SkyRL: generator.backend."""
-    vllm_lora: str = "adapter"
-    """How the vllm engine samples a LoRA weights version: adapter (a PEFT folder per version,
-    vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
-    without LoRA; each version merged into its own weights, W + scale * B @ A in bf16, sent over
-    CUDA IPC: no LoRA cost, one version at a time; workbench/policy/vllm_merged.py)."""
-    cuda_graphs: bool = True
-    """On a CUDA device, in-process: decode steps replayed as CUDA graphs over a KV pool sized
-    for the rollout, with grouped-query decode attention (workbench/session/gpu.py). Ignored on
-    CPU and by the vllm engine."""
-    fused_decode: bool = True
-    """With cuda_graphs: decode steps read the sampler's own copy of the text weights with the
-    LoRA adapter merged in and q/k/v and gate/up fused (4 GEMMs a layer instead of 7 plus peft's
-    LoRA kernels); re-merged when the sampler's weights version changes. Costs the text matrices
-    once more in GPU memory (13.9 GB for the 8B shape), and W + BA rounded to bf16 makes the
-    sampler's log-probs differ from the trainer's ~4x more than unmerged LoRA (KL 1.5e-3 to
-    4.2e-3 on the H200; benchmarks/RESULTS.md) (workbench/policy/fused.py)."""
-    compile_decode: bool = False
-    """With fused_decode: torch.compile each layer's decode step (norms, rotary, epilogues fused)
-    before it is captured; a compile failure falls back to the eager step and says why."""
-    num_engines: int = 1
-    """M: sampler actors on a Ray cluster; a rollout's mazes are spread over them (SkyRL:
-    generator.num_inference_engines). Ignored in-process."""
 
 
 @dataclass(frozen=True)
 class TrainerConfig:
-    """The GRPO loop (SkyRL's trainer.* keys)."""
+    """The run: its length, batch, seed, checkpoints, exports, evaluations, resume and logs
+    (SkyRL's trainer.* keys)."""
 
     total_steps: int = 40
     """GRPO steps (one rollout batch and one optimiser step each)."""
     train_batch_size: int = 8
     """P: mazes per step."""
-    learning_rate: float = 1e-4
-    """Peak learning rate."""
-    lr_schedule: str = "constant"
-    """constant | warmup_cosine."""
-    warmup_steps: int = 0
-    """Linear warm-up steps (warmup_cosine)."""
+    seed: int = 0
+    """Seed of maze order and sampling."""
+    ckpt_interval: int = 20
+    """Full checkpoint (weights, optimiser, step, RNG states: what resume and replay start
+    from) of step 0 before training and after every step that is a multiple of N; the last step
+    only when it is one. 0 = never, step 0 included: such a run can be neither resumed nor
+    replayed."""
+    hf_save_interval: int = 20
+    """PEFT adapter export (exports/global_step_N) after every step that is a multiple of N and
+    after the last step. 0 = never, the last step included."""
+    eval_interval: int = 10
+    """Evaluation on the fixed set at step 0 (before training), after every step that is a
+    multiple of N and after the last step. 0 = only at step 0 and after the last step."""
+    resume_mode: str = "latest"
+    """latest: continue from the newest intact checkpoint in run_dir (a damaged one is skipped
+    for the one before); a fresh start when run_dir is empty or missing; refused when it holds
+    a run but no intact checkpoint, unless trainer.overwrite. none: a new run; refused when
+    run_dir (or its s3:// prefix) holds anything, unless trainer.overwrite. from_path: continue
+    from the checkpoint at trainer.resume_path. Resuming refuses a config that differs from the
+    checkpoint's in any key but total_steps, the intervals, keep_step_records, eval.*,
+    cluster.*, storage.*, sft.*, run_dir and the memory settings (rl/checkpoints.RESUMABLE)."""
+    resume_path: str = ""
+    """Checkpoint folder for resume_mode=from_path."""
+    overwrite: bool = False
+    """Allow this start to delete what run_dir (or its s3:// prefix) holds, where it would
+    otherwise be refused (resume_mode=none on a folder that is not empty; latest with no intact
+    checkpoint; from_path into another run's folder). What is removed is listed in one line
+    first. With resume_mode=latest it acts only when no intact checkpoint is left."""
+    keep_step_records: bool = True
+    """Keep each step's rollout and datums for replay."""
+    logger: str = "jsonl"
+    """Where metric rows go, comma-separated: jsonl (metrics.jsonl, always written even when
+    not listed) | tensorboard (<run_dir>/tensorboard/; extra `tensorboard`) | mlflow (the run
+    folder's mlflow.db, or $MLFLOW_TRACKING_URI; extra `mlflow`). E.g. jsonl,tensorboard,mlflow:
+    every row's numbers under the metrics.jsonl keys at its step (workbench/loggers.py)."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """The update: policy loss, advantage estimator, optimiser and the batch it trains on (SkyRL:
+    trainer.algorithm.*)."""
+
     loss: str = "ppo"
     """Policy loss: ppo | importance_sampling | cispo | cross_entropy."""
     loss_reduction: str = "sequence_mean"
@@ -179,6 +167,12 @@ class TrainerConfig:
     discounted return, so the move that wasted a turn scores below the one that did not."""
     step_gamma: float = 0.95
     """Discount of the step-level returns (gamma ** turns left * reward)."""
+    learning_rate: float = 1e-4
+    """Peak learning rate."""
+    lr_schedule: str = "constant"
+    """constant | warmup_cosine."""
+    warmup_steps: int = 0
+    """Linear warm-up steps (warmup_cosine)."""
     grad_clip_norm: float = 1.0
     """Global grad-norm clip (0 = off)."""
     minibatch: int = 16
@@ -206,75 +200,6 @@ class TrainerConfig:
     their own. In-process they share the session's one worker and run one after the other (the
     run says so once). The step after a checkpoint samples on-policy again, so a resumed run
     repeats an uninterrupted one exactly."""
-    ckpt_interval: int = 20
-    """Full checkpoint (weights, optimiser, step, RNG states: what resume and replay start
-    from) of step 0 before training and after every step that is a multiple of N; the last step
-    only when it is one. 0 = never, step 0 included: such a run can be neither resumed nor
-    replayed."""
-    hf_save_interval: int = 20
-    """PEFT adapter export (exports/global_step_N) after every step that is a multiple of N and
-    after the last step. 0 = never, the last step included."""
-    eval_interval: int = 10
-    """Evaluation on the fixed set at step 0 (before training), after every step that is a
-    multiple of N and after the last step. 0 = only at step 0 and after the last step."""
-    resume_mode: str = "latest"
-    """latest: continue from the newest intact checkpoint in run_dir (a damaged one is skipped
-    for the one before); a fresh start when run_dir is empty or missing; refused when it holds
-    a run but no intact checkpoint, unless trainer.overwrite. none: a new run; refused when
-    run_dir (or its s3:// prefix) holds anything, unless trainer.overwrite. from_path: continue
-    from the checkpoint at trainer.resume_path. Resuming refuses a config that differs from the
-    checkpoint's in any key but total_steps, the intervals, keep_step_records, eval.*,
-    cluster.*, storage.*, sft.*, run_dir and the memory settings (rl/checkpoints.RESUMABLE)."""
-    resume_path: str = ""
-    """Checkpoint folder for resume_mode=from_path."""
-    overwrite: bool = False
-    """Allow this start to delete what run_dir (or its s3:// prefix) holds, where it would
-    otherwise be refused (resume_mode=none on a folder that is not empty; latest with no intact
-    checkpoint; from_path into another run's folder). What is removed is listed in one line
-    first. With resume_mode=latest it acts only when no intact checkpoint is left."""
-    seed: int = 0
-    """Seed of maze order and sampling."""
-    keep_step_records: bool = True
-    """Keep each step's rollout and datums for replay."""
-    logger: str = "jsonl"
-    """Where metric rows go, comma-separated: jsonl (metrics.jsonl, always written even when
-    not listed) | tensorboard (<run_dir>/tensorboard/; extra `tensorboard`) | mlflow (the run
-    folder's mlflow.db, or $MLFLOW_TRACKING_URI; extra `mlflow`). E.g. jsonl,tensorboard,mlflow:
-    every row's numbers under the metrics.jsonl keys at its step (workbench/loggers.py)."""
-    num_workers: int = 1
-    """N: data-parallel trainer actors on a Ray cluster; each takes a slice of the datums and
-    gradients are all-reduced (SkyRL: trainer.placement.policy_num_gpus_per_node). Ignored
-    in-process."""
-    colocate_all: bool = True
-    """Trainer worker i and sampler engine i share placement-group bundle i (fractional GPU);
-    false gives them separate bundles (SkyRL: trainer.placement.colocate_all)."""
-    gradient_checkpointing: bool = False
-    """Recompute each layer's activations in backward instead of keeping them (the 8B shape
-    needs it on one GPU; SkyRL: trainer.gradient_checkpointing). Same gradients, more time."""
-    selective_checkpointing: bool = False
-    """With gradient_checkpointing: keep each layer's matmul and attention outputs and recompute
-    only the elementwise ops (norms, rotary, SiLU, casts) in backward: less memory than no
-    checkpointing, far less recompute than full checkpointing."""
-    compile_layers: bool = False
-    """torch.compile each text decoder layer for the update (norms, rotary, SiLU and the LoRA
-    epilogue fused forward and backward); the first update pays the compilation (about a
-    minute), calls without grad (the sampler's prefill) stay eager."""
-    share_prefix: bool = False
-    """Run the prompt the G episodes of a maze share (system prompt and first observation) once
-    per group in the update and continue each episode from its KV cache (the same log-probs
-    and gradients; `policy.forward.token_logprobs`). Off by default: at the tiny default's
-    33-token prompt it saved nothing on the CPU (docs/benchmarks.md). Ignored with
-    trainer.compile_layers."""
-    loss_tokens_only: bool = False
-    """Run the lm_head only on tokens that carry loss weight (the replies): at Qwen's 151,936
-    vocabulary this saves most of the output layer's time and memory. Same loss and gradients."""
-    lora_autocast: bool = False
-    """On a bf16 base: compute the LoRA adapters in bf16 under autocast instead of peft's float32
-    path (no float32 copies of the activations); adapter weights, gradients and Adam stay
-    float32. Ignored on float32 models (the CPU default)."""
-    strategy: str = "ddp"
-    """Data-parallel strategy of the trainer actors: ddp (replicas, gradients all-reduced) |
-    fsdp (GPU only: the frozen base is sharded over the workers, LoRA weights all-reduced)."""
 
 
 @dataclass(frozen=True)
@@ -313,31 +238,6 @@ class SFTConfig:
 
 
 @dataclass(frozen=True)
-class ClusterConfig:
-    """Where the session runs: in this process, or on Ray actors (see README, "Ray")."""
-
-    address: str = ""
-    """"" = in-process (no Ray); "local" = start Ray here; "auto" = the running cluster (or
-    RAY_ADDRESS); "ray://host:10001" = a remote cluster through Ray Client."""
-    num_cpus: int = 0
-    """CPUs a local Ray instance may use (0 = all of this machine's)."""
-    num_gpus: int = 0
-    """GPUs a local Ray instance may use (0 = Ray detects them)."""
-    cpus_per_actor: float = 0.5
-    """CPU share reserved for each trainer worker and each sampler engine."""
-    threads_per_actor: int = 0
-    """torch CPU threads in each actor (0 = Ray's default: its CPU share, at least 1). Trainer
-    and engines of a synchronous loop take turns, so colocated actors may each use the whole
-    bundle's cores."""
-    dashboard: bool = False
-    """Start Ray's dashboard with a local instance (bound to 127.0.0.1)."""
-    temp_dir: str = ""
-    """Temp/log folder of a local Ray instance ("" = Ray's default, /tmp/ray)."""
-    max_restarts: int = 3
-    """Times a run reopens its session from the last checkpoint after a Ray actor died."""
-
-
-@dataclass(frozen=True)
 class StorageConfig:
     """Where run directories and adapters live when they are on S3 (see README, "Storage")."""
 
@@ -353,13 +253,16 @@ class RunConfig:
     """A whole run."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
-    lora: LoraConfig = field(default_factory=LoraConfig)
+    lora: LoraSettings = field(default_factory=lambda: LoraSettings(vision=True))
     env: EnvConfig = field(default_factory=EnvConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    engine: EngineSettings = field(default_factory=EngineSettings)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    speed: SpeedSettings = field(default_factory=lambda: SpeedSettings(cuda_graphs=True))
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    cluster: ClusterSpec = field(default_factory=ClusterSpec)
     storage: StorageConfig = field(default_factory=StorageConfig)
     run_dir: str = "runs/grpo"
 
@@ -374,15 +277,15 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "env.grammar": tuple(GRAMMARS),
     "env.reward": tuple(REWARDS),
     "env.observation": OBSERVATIONS,
-    "trainer.lr_schedule": ("constant", "warmup_cosine"),
+    "algorithm.lr_schedule": ("constant", "warmup_cosine"),
     "sft.lr_schedule": ("constant", "cosine"),
-    "trainer.loss": tuple(LOSSES),
-    "trainer.loss_reduction": tuple(REDUCTIONS),
-    "trainer.advantage": tuple(ADVANTAGES),
+    "algorithm.loss": tuple(LOSSES),
+    "algorithm.loss_reduction": tuple(REDUCTIONS),
+    "algorithm.advantage": tuple(ADVANTAGES),
     "trainer.resume_mode": ("latest", "none", "from_path"),
-    "trainer.strategy": ("ddp", "fsdp"),
-    "generator.engine": tuple(ENGINES),
-    "generator.vllm_lora": ("adapter", "merged"),
+    "cluster.strategy": ("ddp", "fsdp"),
+    "engine.name": tuple(ENGINES),
+    "engine.vllm_lora": ("adapter", "merged"),
 }
 """Keys with a fixed set of values; those of a registry are read from it (grammars, rewards,
 observations, losses, reductions, advantage estimators, sampler engines)."""
@@ -405,6 +308,8 @@ def flat_keys(config: RunConfig) -> dict[str, Any]:
 
 def _coerce(key: str, raw: str, current: Any, kind: Any) -> Any:
     try:
+        if typing.get_origin(kind) is tuple:  # tuple[str, ...]: comma-separated
+            return tuple(item.strip() for item in raw.split(",") if item.strip())
         if kind is bool:
             if raw.lower() not in ("true", "false", "1", "0"):
                 raise ValueError(raw)
@@ -419,9 +324,25 @@ def _field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
-ALIASES = {"trainer.placement.colocate_all": "trainer.colocate_all",
-           "generator.backend": "generator.engine"}
-"""SkyRL's spellings of keys that are flatter here."""
+ALIASES = {
+    "trainer.placement.colocate_all": "cluster.colocate_all",
+    "trainer.placement.policy_num_gpus_per_node": "cluster.num_workers",
+    "generator.num_inference_engines": "cluster.num_engines",
+    "generator.backend": "engine.name",
+    "generator.gpu_memory_utilization": "engine.gpu_memory_utilization",
+    "trainer.algorithm.advantage_estimator": "algorithm.advantage",
+    "trainer.algorithm.loss_reduction": "algorithm.loss_reduction",
+    "trainer.algorithm.eps_clip_low": "algorithm.clip_low",
+    "trainer.algorithm.eps_clip_high": "algorithm.clip_high",
+    "trainer.policy.optimizer_config.lr": "algorithm.learning_rate",
+    "trainer.policy.optimizer_config.max_grad_norm": "algorithm.grad_clip_norm",
+    "trainer.update_epochs_per_batch": "algorithm.update_epochs",
+    "trainer.gradient_checkpointing": "speed.gradient_checkpointing",
+}
+"""SkyRL's keys that live in another section here, accepted verbatim; the keys the seed quotes
+under their SkyRL names (generator.n_samples_per_prompt, generator.max_turns,
+trainer.ckpt_interval, trainer.resume_mode, trainer.hf_save_interval, trainer.eval_interval,
+trainer.train_batch_size) are this config's own."""
 
 
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
@@ -463,17 +384,17 @@ def validate(config: RunConfig) -> None:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{key}={values[key]!r} is not one of {list(choices)}{hint}")
     positive = ("generator.n_samples_per_prompt", "generator.max_turns", "generator.max_tokens",
-                "trainer.train_batch_size", "trainer.minibatch", "trainer.mini_batches",
-                "trainer.update_epochs", "eval.n_mazes", "lora.rank",
-                "trainer.num_workers", "generator.num_engines")
+                "trainer.train_batch_size", "algorithm.minibatch", "algorithm.mini_batches",
+                "algorithm.update_epochs", "eval.n_mazes", "lora.rank",
+                "cluster.num_workers", "cluster.num_engines")
     for key in positive:
         if values[key] < 1:
             raise ConfigError(f"{key} must be >= 1, got {values[key]}")
     for key, value in values.items():
         if isinstance(value, int | float) and not isinstance(value, bool) and value < 0:
             raise ConfigError(f"{key} must not be negative, got {value}")
-    if (lag := values["trainer.off_policy_steps"]) > 1:
-        raise ConfigError("trainer.off_policy_steps must be 0 (on-policy) or 1 (the next "
+    if (lag := values["algorithm.off_policy_steps"]) > 1:
+        raise ConfigError("algorithm.off_policy_steps must be 0 (on-policy) or 1 (the next "
                           f"rollout overlaps this update), got {lag}")
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
@@ -499,8 +420,8 @@ def _validate_cluster(config: RunConfig) -> None:
         raise ConfigError("cluster.cpus_per_actor must be > 0")
     if config.cluster.threads_per_actor < 0:
         raise ConfigError("cluster.threads_per_actor must be >= 0 (0 = Ray's default)")
-    if config.trainer.strategy == "fsdp" and config.model.device == "cpu":
-        raise ConfigError("trainer.strategy=fsdp needs model.device=cuda (use ddp on CPU)")
+    if config.cluster.strategy == "fsdp" and config.model.device == "cpu":
+        raise ConfigError("cluster.strategy=fsdp needs model.device=cuda (use ddp on CPU)")
 
 
 @cache
@@ -532,32 +453,36 @@ def describe_keys(config: RunConfig) -> str:
 
 
 def to_dict(config: RunConfig) -> dict[str, Any]:
-    """JSON-ready dict."""
-    return dataclasses.asdict(config)
+    """JSON-ready dict (tuples as lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(config)))
+
+
+def build_record(cls: Any, data: dict[str, Any], where: str = "") -> Any:
+    """The frozen dataclass `cls` from its dataclasses.asdict form read back from JSON: nested
+    records rebuilt, lists back to tuples, values kept exactly; an unknown key raises
+    ConfigError naming it, the closest keys and the valid ones."""
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.5)
+        raise ConfigError(f"unknown config key {where}{unknown[0]}"
+                          f" (closest: {', '.join(close) or 'none'}; "
+                          f"valid: {', '.join(sorted(names))})")
+    values = {}
+    for name, value in data.items():
+        kinds = [k for k in typing.get_args(hints[name]) if k is not type(None)] or [hints[name]]
+        if isinstance(value, dict) and dataclasses.is_dataclass(kinds[0]):
+            value = build_record(kinds[0], value, f"{where}{name}.")
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[name] = value
+    return cls(**values)
 
 
 def from_dict(data: dict[str, Any]) -> RunConfig:
     """Inverse of to_dict (values kept exactly); unknown keys raise ConfigError."""
-    sections = {}
-    for f in dataclasses.fields(RunConfig):
-        if f.name not in data:
-            continue
-        value = data[f.name]
-        if isinstance(value, dict):
-            cls = typing.get_type_hints(RunConfig)[f.name]
-            names = {g.name for g in dataclasses.fields(cls)}
-            unknown = sorted(set(value) - names)
-            if unknown:
-                close = difflib.get_close_matches(unknown[0], names, n=3, cutoff=0.5)
-                raise ConfigError(f"unknown config key {f.name}.{unknown[0]}"
-                                  f" (closest: {', '.join(close) or 'none'}; "
-                                  f"valid: {', '.join(sorted(names))})")
-            value = cls(**value)
-        sections[f.name] = value
-    unknown = sorted(set(data) - set(sections))
-    if unknown:
-        raise ConfigError(f"unknown config sections {unknown}")
-    config = RunConfig(**sections)
+    config = build_record(RunConfig, data)
     validate(config)
     return config
 
@@ -568,22 +493,21 @@ PRESETS: dict[str, RunConfig] = {
     # checkpoints / exports every 20 steps, evaluation every 10 on the 64-maze set.
     "seed_gpu": RunConfig(
         model=ModelConfig(name="Qwen/Qwen3-VL-8B-Instruct", dtype="bfloat16", device="cuda"),
-        lora=LoraConfig(rank=32, alpha=64, vision=False),
+        lora=LoraSettings(rank=32, alpha=64, vision=False),
         env=EnvConfig(size=9, px_per_cell=25, grammar="tuple", reward="stop_on_goal",
                       format_weight=0.2),
-        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md, issue 16): vLLM
-        # samples with the adapter merged into its weights (rollout 7.6 s against 11.9 s with
-        # its LoRA kernels on the same day, and 12.0 s for our compiled CUDA-graph decode;
-        # side_by_side.py) in a 0.3 share beside the trainer (peak 72 GB): bf16 LoRA, compiled
-        # layers, no checkpointing at 4 episodes a call (run 8). generator.engine=transformers
-        # keeps our engine (compiled fused decode, CUDA graphs).
         generator=GeneratorConfig(n_samples_per_prompt=8, max_turns=15, temperature=0.7,
-                                  max_tokens=32, gpu_memory_utilization=0.3, engine="vllm",
-                                  vllm_lora="merged", compile_decode=True),
-        trainer=TrainerConfig(total_steps=100, train_batch_size=8, learning_rate=1e-5,
-                              ckpt_interval=20, hf_save_interval=20, eval_interval=10,
-                              minibatch=4, gradient_checkpointing=False, loss_tokens_only=True,
-                              lora_autocast=True, compile_layers=True),
+                                  max_tokens=32),
+        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md, "A step"): vLLM
+        # samples with the adapter merged into its weights in a 0.3 share beside the trainer;
+        # bf16 LoRA, compiled layers, no checkpointing at 4 episodes a call.
+        # engine.name=transformers keeps our engine (compiled fused decode, CUDA graphs).
+        engine=EngineSettings(name="vllm", gpu_memory_utilization=0.3, vllm_lora="merged"),
+        speed=SpeedSettings(cuda_graphs=True, compile_decode=True, loss_tokens_only=True,
+                            lora_autocast=True, compile_layers=True),
+        trainer=TrainerConfig(total_steps=100, train_batch_size=8, ckpt_interval=20,
+                              hf_save_interval=20, eval_interval=10),
+        algorithm=AlgorithmConfig(learning_rate=1e-5, minibatch=4),
         eval=EvalConfig(n_mazes=64, greedy=True, sampled_passes=8, temperature=0.7),
         sft=SFTConfig(full_finetune=False, learning_rate=1e-5),
         run_dir="runs/seed_gpu",

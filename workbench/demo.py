@@ -36,8 +36,8 @@ EVAL_EVERY = 4
 
 DEMO_OVERRIDES = [
     "model.name=tiny-sft", "trainer.total_steps=84", "trainer.train_batch_size=8",
-    "generator.n_samples_per_prompt=8", "trainer.learning_rate=5e-4",
-    "trainer.loss_reduction=sequence_mean", "trainer.step_advantage=1.0",
+    "generator.n_samples_per_prompt=8", "algorithm.learning_rate=5e-4",
+    "algorithm.loss_reduction=sequence_mean", "algorithm.step_advantage=1.0",
     f"trainer.eval_interval={EVAL_EVERY}",
     "trainer.ckpt_interval=20", "trainer.hf_save_interval=20", "eval.sampled_passes=2",
 ]

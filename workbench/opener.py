@@ -11,59 +11,35 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from workbench.config import ConfigError, RunConfig
+from workbench.config import ConfigError, RunConfig, build_record
 from workbench.model.load import model_name_problem
-from workbench.model.lora import LoraSettings
-from workbench.policy.engine import EngineSettings
 from workbench.session.protocols import SessionLike
-from workbench.session.spec import ClusterSpec, SessionSpec, SpeedSettings
+from workbench.session.spec import SessionSpec
 
 SPEC_FILE = "session_spec.json"
-
-
-def speed_settings(config: RunConfig) -> SpeedSettings:
-    """trainer.gradient_checkpointing / selective_checkpointing / compile_layers /
-    loss_tokens_only / share_prefix / lora_autocast and generator.cuda_graphs / fused_decode /
-    compile_decode as one record; CUDA graphs only on a CUDA device with the transformers engine."""
-    t, g = config.trainer, config.generator
-    graphs = g.cuda_graphs and g.engine == "transformers" and config.model.device.startswith("cuda")
-    return SpeedSettings(
-        cuda_graphs=graphs, kv_rows=t.train_batch_size * g.n_samples_per_prompt,
-        fused_decode=g.fused_decode, compile_decode=g.compile_decode,
-        gradient_checkpointing=t.gradient_checkpointing,
-        selective_checkpointing=t.selective_checkpointing, compile_layers=t.compile_layers,
-        loss_tokens_only=t.loss_tokens_only, share_prefix=t.share_prefix,
-        lora_autocast=t.lora_autocast)
-
-
-def cluster_spec(config: RunConfig) -> ClusterSpec:
-    """cluster.* with the trainer's and generator's actor counts and placement."""
-    c = config.cluster
-    return ClusterSpec(
-        address=c.address, num_cpus=c.num_cpus, num_gpus=c.num_gpus, dashboard=c.dashboard,
-        temp_dir=c.temp_dir, num_workers=config.trainer.num_workers,
-        num_engines=config.generator.num_engines, colocate_all=config.trainer.colocate_all,
-        strategy=config.trainer.strategy, cpus_per_actor=c.cpus_per_actor,
-        threads_per_actor=c.threads_per_actor)
 
 
 def session_spec(config: RunConfig, workdir: str | Path, full_finetune: bool = False,
                  model: str = "") -> SessionSpec:
     """The session a run of `config` opens in `workdir` (full_finetune: no LoRA, every weight
     trains, as SFT's sft.full_finetune; model: another base than model.name, e.g. a run's SFT
-    model or an evaluated checkpoint)."""
-    g = config.generator
+    model or an evaluated checkpoint). The records are the config's own sections, with what
+    they leave to the run filled in: one image per turn, a KV pool of P x G rows, and CUDA
+    graphs only on a CUDA device with the transformers engine."""
+    engine, speed, g = config.engine, config.speed, config.generator
+    graphs = speed.cuda_graphs and engine.name == "transformers" \
+        and config.model.device.startswith("cuda")
     return SessionSpec(
-        model=model or config.model.name,
-        lora=None if full_finetune else config.lora.settings,
+        model=model or config.model.name, lora=None if full_finetune else config.lora,
         workdir=str(workdir), dtype=config.model.dtype, device=config.model.device,
-        engine=EngineSettings(g.engine, g.gpu_memory_utilization, max_images=g.max_turns,
-                              max_model_len=g.max_model_len, vllm_lora=g.vllm_lora),
-        speed=speed_settings(config), cluster=cluster_spec(config))
+        engine=replace(engine, max_images=engine.max_images or g.max_turns),
+        speed=replace(speed, cuda_graphs=graphs, kv_rows=speed.kv_rows
+                      or config.trainer.train_batch_size * g.n_samples_per_prompt),
+        cluster=config.cluster)
 
 
 def check_model(name: str) -> None:
@@ -100,10 +76,4 @@ def write_spec(spec: SessionSpec) -> Path:
 
 def read_spec(workdir: str | Path) -> SessionSpec:
     """The SessionSpec a session in `workdir` was opened with."""
-    data = json.loads((Path(workdir) / SPEC_FILE).read_text())
-    return SessionSpec(model=data["model"], lora=LoraSettings.from_dict(data["lora"]),
-                       workdir=data["workdir"],
-                       dtype=data["dtype"], device=data["device"],
-                       engine=EngineSettings(**data["engine"]),
-                       speed=SpeedSettings(**data["speed"]), cluster=ClusterSpec(**data["cluster"]))
-
+    return build_record(SessionSpec, json.loads((Path(workdir) / SPEC_FILE).read_text()))

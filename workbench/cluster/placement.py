@@ -62,7 +62,7 @@ def create_placement_group(plan: PlacementPlan, timeout_s: float = 120.0) -> Any
         remove_placement_group(pg)
         raise RuntimeError(f"the Ray cluster cannot fit bundles {plan.bundles} within "
                            f"{timeout_s:.0f} s (it has {ray.cluster_resources()}); lower "
-                           "trainer.num_workers / generator.num_engines or cluster.cpus_per_actor")
+                           "cluster.num_workers / cluster.num_engines or cluster.cpus_per_actor")
     return pg
 
 

@@ -9,7 +9,7 @@ trainers' data-parallel group (a torch.distributed process can have one default 
 its own TCPStore that trainer rank 0 opens.
 
 NCCL refuses two ranks on one GPU, so the broadcast needs rank 0 and every engine on GPUs of
-their own (trainer.colocate_all=false); `check_distinct_gpus` says so in one line.
+their own (cluster.colocate_all=false); `check_distinct_gpus` says so in one line.
 """
 
 from __future__ import annotations
@@ -73,5 +73,5 @@ def check_distinct_gpus(trainer_gpu: str, engine_gpus: list[str]) -> None:
     if shared:
         raise ValueError(f"a weight broadcast over NCCL needs trainer rank 0 and each engine on "
                          f"GPUs of their own, but engine {shared[0]} shares rank 0's GPU "
-                         "(trainer.colocate_all=true): keep the object-store sync there, or "
-                         "set trainer.colocate_all=false")
+                         "(cluster.colocate_all=true): keep the object-store sync there, or "
+                         "set cluster.colocate_all=false")

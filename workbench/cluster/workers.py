@@ -9,11 +9,11 @@ they form a torch.distributed group (gloo on CPU, NCCL on CUDA) whose rendezvous
 that rank 0 opens on a free port of its node.
 
 SamplerEngine: its own copy of the base model (+ LoRA), the sampler weight versions it has been
-sent, the sampler engine that draws the tokens (generator.engine: transformers, or vLLM loading
+sent, the sampler engine that draws the tokens (engine.name: transformers, or vLLM loading
 each version's adapter), and the episode loop it is handed (`host.play`) beside it. A vLLM
 engine runs its engine core inside the actor (VLLM_ENABLE_V1_MULTIPROCESSING=0: no process
 spawned from a Ray worker) on the GPU share Ray gave the actor, within
-generator.gpu_memory_utilization of that GPU.
+engine.gpu_memory_utilization of that GPU.
 
 Both can also join a weight-broadcast group (`cluster.weight_sync`): trainer rank 0 sends its
 trainable tensors as one buffer, the engines receive and install them as a sampler version.

@@ -22,12 +22,20 @@ VISION_LINEARS = (r"visual\.(blocks\.\d+\.(attn\.(qkv|proj)|mlp\.linear_fc[12])"
 class LoraSettings:
     """LoRA adapter shape: the language model's projections, and optionally the vision tower."""
 
-    rank: int = 32  # LoRA rank r (the seed uses 32)
-    alpha: int = 64  # LoRA alpha; the update is scaled by alpha / rank
-    dropout: float = 0.0  # LoRA dropout (0 keeps sampler and trainer log-probs identical)
-    target_modules: tuple[str, ...] = LANGUAGE_PROJECTIONS  # projection names in the text model
-    init_seed: int = 0  # seed for the A matrices (B starts at zero)
-    vision: bool = False  # also adapt the vision tower's linears and the merger (VISION_LINEARS)
+    rank: int = 32
+    """LoRA rank r (the seed uses 32)."""
+    alpha: int = 64
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    dropout: float = 0.0
+    """LoRA dropout (0 keeps sampler and trainer log-probs identical)."""
+    target_modules: tuple[str, ...] = LANGUAGE_PROJECTIONS
+    """Projection names adapted in the text model, comma-separated."""
+    init_seed: int = 0
+    """Seed of the A matrices (B starts at zero)."""
+    vision: bool = False
+    """Also adapt the vision tower's linear layers and its merger (VISION_LINEARS). The tiny
+    default's weakest part is its perception, so its runs adapt the vision tower too; the seed's
+    8B recipe (seed_gpu) adapts the language model only."""
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> LoraSettings | None:

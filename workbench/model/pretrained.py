@@ -49,32 +49,34 @@ PINNED_ENV: dict[str, str] = {
 
 @dataclass(frozen=True)
 class PretrainRecipe:
-    """The SFT that makes tiny-sft; every field changes the build hash (and the cache folder)."""
+    """The SFT that makes tiny-sft: overrides of the tiny preset, whose keys (`sft.*`, ...) say
+    what each setting means. Every field changes the build hash (and the cache folder)."""
 
-    steps: int = 1000
-    """Optimiser steps."""
-    batch_size: int = 4
-    """Noisy-oracle episodes per step (4 learnt as much per episode as 8, at 10% less cost)."""
-    learning_rate: float = 7e-4
-    """AdamW peak step size."""
-    lr_schedule: str = "cosine"
-    """sft.lr_schedule: from the peak to zero on a cosine."""
-    noise: float = 0.2
-    """Chance of a random move per turn (in context, not trained on)."""
-    size: int = 9
-    """Maze side incl. the outer wall (the tiny model merges a 9x9 maze into one token)."""
+    overrides: tuple[str, ...] = (
+        "model.name=tiny",
+        "env.size=9",  # the tiny model merges a 9x9 maze into one image token
+        "generator.max_turns=15",
+        "sft.steps=1000",
+        "sft.batch_size=4",  # 4 noisy-oracle episodes learnt as much per episode as 8, 10% cheaper
+        "sft.learning_rate=0.0007",
+        "sft.lr_schedule=cosine",
+        "sft.noise=0.2",
+        "sft.full_finetune=true",
+        "trainer.seed=0",  # the training mazes' offset and the data order
+        "eval.n_mazes=64",
+        "eval.greedy=true",
+        "eval.sampled_passes=2",
+        "eval.temperature=0.7",
+    )
+    """The run config of the build and of its held-out evaluation."""
     report_sizes: tuple[int, ...] = (9, 7)
     """Maze sizes of the held-out evaluation in the report (the first is the trained size)."""
-    max_turns: int = 15
-    """Turn budget of the episodes (and of the held-out evaluation)."""
     threads: int = 2
     """Torch threads of the build (part of the arithmetic: reductions split by thread)."""
-    seed: int = 0
-    """trainer.seed: the training mazes' offset and the data order."""
-    eval_passes: int = 2
-    """Sampled passes per eval maze in the report."""
-    eval_temperature: float = 0.7
-    """Temperature of the report's sampled passes (eval.temperature)."""
+
+    def setting(self, key: str) -> str:
+        """The value the recipe gives `key`, as written."""
+        return settings(self.overrides)[key]
 
     @property
     def build_hash(self) -> str:
@@ -84,17 +86,10 @@ class PretrainRecipe:
         text = repr((asdict(self), TinySpec().build_hash))
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
-    def overrides(self) -> list[str]:
-        """The run config of the build: the tiny preset with these settings."""
-        return [
-            "model.name=tiny", f"env.size={self.size}", f"generator.max_turns={self.max_turns}",
-            f"sft.steps={self.steps}", f"sft.batch_size={self.batch_size}",
-            f"sft.learning_rate={self.learning_rate}", f"sft.lr_schedule={self.lr_schedule}",
-            f"sft.noise={self.noise}",
-            "sft.full_finetune=true", f"trainer.seed={self.seed}", "eval.n_mazes=64",
-            "eval.greedy=true", f"eval.sampled_passes={self.eval_passes}",
-            f"eval.temperature={self.eval_temperature}",
-        ]
+
+def settings(overrides: tuple[str, ...] | list[str]) -> dict[str, str]:
+    """key -> value of `key=value` overrides."""
+    return dict(item.split("=", 1) for item in overrides)
 
 
 RECIPE = PretrainRecipe()
@@ -110,8 +105,9 @@ def tiny_sft_path(recipe: PretrainRecipe = RECIPE, root: str | Path | None = Non
     final = root / "models" / f"{TINY_SFT_NAME}-{recipe.build_hash}"
     if (final / "report.json").exists():
         return final
-    log(f"building {TINY_SFT_NAME} (once; {recipe.steps} SFT steps on held-out "
-        f"{recipe.size}x{recipe.size} training mazes, then the held-out evaluation) ...")
+    size = recipe.setting("env.size")
+    log(f"building {TINY_SFT_NAME} (once; {recipe.setting('sft.steps')} SFT steps on held-out "
+        f"{size}x{size} training mazes, then the held-out evaluation) ...")
     build_atomically(final, lambda tmp: _build_in_child(tmp, recipe, root))
     log(describe(read_report(final)) + f" -> {final}")
     return final
@@ -144,7 +140,7 @@ def describe(report: dict[str, Any]) -> str:
     passes = next(iter(report["sizes"].values()))["sampled"]["episodes_per_maze"]
     return (f"{TINY_SFT_NAME}: built in {report['seconds'] / 60:.1f} min; held-out "
             + "; ".join(parts) + f"; sampled: mean of {passes} passes at "
-            f"T={report['recipe']['eval_temperature']:g}")
+            f"T={float(settings(report['recipe']['overrides'])['eval.temperature']):g}")
 
 
 def weights_sha256(folder: str | Path) -> str:

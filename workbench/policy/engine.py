@@ -8,7 +8,7 @@ a batch of live rows, and nothing else:
     rows.advance(keep, streams_B)               # keep rows `keep` (by position); streams_B are
                                                 # their grown streams (reply + next observation)
 
-Two engines stand behind it, picked by `generator.engine` (`policy.engines.make_engine`):
+Two engines stand behind it, picked by `engine.name` (`policy.engines.make_engine`):
 - `transformers` (default, CPU and GPU): our KV-cached batched sampler (`policy.sampler`) over the
   host's model; a weights version is copied into that model by the session, so the version hooks
   do nothing here.
@@ -45,12 +45,26 @@ from workbench.policy.stream import Stream, chat_format
 class EngineSettings:
     """Which sampler engine a model host builds, and the GPU engine's knobs."""
 
-    name: str = "transformers"  # transformers | vllm (generator.engine)
-    gpu_memory_utilization: float = 0.5  # vLLM's GPU share (generator.gpu_memory_utilization)
-    max_images: int = 16  # images per prompt vLLM makes room for (one per turn: max_turns)
-    max_model_len: int = 0  # vLLM's context in tokens (0: the model's own, at most 16384)
-    seed: int = 0  # vLLM's engine seed (each request also gets a seed from the rollout's generator)
-    vllm_lora: str = "adapter"  # adapter | merged: vLLM's LoRA versions (generator.vllm_lora)
+    name: str = "transformers"
+    """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
+    the vllm package; prefix caching, LoRA adapters loaded by version). SkyRL:
+    generator.backend."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
+    max_images: int = 0
+    """Images per prompt vLLM makes room for (0 = one per turn of generator.max_turns; 16
+    outside a run)."""
+    max_model_len: int = 0
+    """vLLM's context length in tokens: 0 = the model's max_position_embeddings, at most 16384
+    (a 15-turn seed-shape episode holds about 2,500 tokens; Qwen3-VL-8B allows 262,144, whose KV
+    for one request alone would take 36 GiB). Above the model's own limit: an error."""
+    seed: int = 0
+    """vLLM's engine seed (each request also gets a seed from the rollout's generator)."""
+    vllm_lora: str = "adapter"
+    """How the vllm engine samples a LoRA weights version: adapter (a PEFT folder per version,
+    vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
+    without LoRA; each version merged into its own weights, W + scale * B @ A in bf16, sent over
+    CUDA IPC: no LoRA cost, one version at a time; `policy.vllm_merged`)."""
 
 
 class Rows(Protocol):

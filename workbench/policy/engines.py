@@ -1,4 +1,4 @@
-"""The sampler engines by name (`generator.engine`): `make_engine` builds the one a host asks for.
+"""The sampler engines by name (`engine.name`): `make_engine` builds the one a host asks for.
 
     engine = make_engine(EngineSettings("transformers"), lm, lora_rank=8, adapter_root=folder)
 """
@@ -32,5 +32,5 @@ def make_engine(settings: EngineSettings, lm: Any, lora_rank: int | None,
     """The engine `settings.name` over the loaded model `lm` (lora_rank None: full fine-tuning;
     adapter_root: where an engine that loads adapters from disk writes them)."""
     if settings.name not in ENGINES:
-        raise ValueError(f"generator.engine={settings.name!r} is not one of {sorted(ENGINES)}")
+        raise ValueError(f"engine.name={settings.name!r} is not one of {sorted(ENGINES)}")
     return ENGINES[settings.name](lm, settings, lora_rank, Path(adapter_root))

@@ -78,7 +78,7 @@ def merged_weight(linear: Any, factors: dict[str, tuple[torch.Tensor, torch.Tens
     for a in adapters:
         if a in getattr(linear, "lora_variant", {}):
             raise ValueError(f"fused decode merges plain LoRA only; adapter {a!r} is a variant "
-                             "(DoRA, ...): set generator.fused_decode=false")
+                             "(DoRA, ...): set speed.fused_decode=false")
         A, B = factors[a] if factors is not None else (linear.lora_A[a].weight,
                                                         linear.lora_B[a].weight)
         out = torch.addmm(out, B.detach().float(), A.detach().float(), alpha=linear.scaling[a])

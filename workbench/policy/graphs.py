@@ -147,7 +147,7 @@ def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
         if static.layer_step is layer_step:
             raise
         static.layer_step, static.compile_error = layer_step, f"{type(err).__name__}: {err}"
-        warn_fallback("generator.compile_decode", static.compile_error)
+        warn_fallback("speed.compile_decode", static.compile_error)
         return fused_step(static.fused, layer_step, *args)
 
 
@@ -196,7 +196,7 @@ def _run_step(model: Any, static: StaticDecode, rows: int, window: int) -> torch
             static.graphs[key] = _capture(model, static, rows, window)
         except Exception as err:  # noqa: BLE001 - any capture failure: fall back, say why
             static.use_graphs, static.error = False, f"{type(err).__name__}: {err}"
-            warn_fallback("generator.cuda_graphs", static.error)
+            warn_fallback("speed.cuda_graphs", static.error)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             return _step(model, static, rows, window)

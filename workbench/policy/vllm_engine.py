@@ -1,6 +1,6 @@
 """The vLLM sampler engine (GPU only), behind the same rows interface as the transformers engine.
 
-Selected by `generator.engine=vllm`; `play_model` and the SamplingClient run unchanged on it.
+Selected by `engine.name=vllm`; `play_model` and the SamplingClient run unchanged on it.
 Every decode sends each live row's whole stream as a token prompt; vLLM's prefix cache
 (`enable_prefix_caching=True`) finds the KV blocks it already holds - the system prompt, earlier
 turns, the G rows of one maze - so a turn prefills only its new tokens, as our KV cache does.
@@ -54,9 +54,9 @@ from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
 from workbench.policy.vllm_merged import WORKER_EXTENSION, push_merged
 
 INSTALL_HINT = (
-    "generator.engine=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
+    "engine.name=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
     "(or pip install 'workbench[gpu]'; it pins torch==2.11.0, the version tested). "
-    "On a CPU machine use generator.engine=transformers."
+    "On a CPU machine use engine.name=transformers."
 )
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]: exp(-100) is zero for sampling
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
@@ -188,7 +188,7 @@ def checked_max_len(settings: EngineSettings, dtype: str, model_len: int) -> int
     DEFAULT_MAX_LEN), or a one-line error for settings vLLM would refuse (or a LoRA dtype its
     kernels assert on)."""
     if dtype not in LORA_DTYPES:
-        raise ValueError(f"generator.engine=vllm samples LoRA adapters, and vLLM's LoRA kernels "
+        raise ValueError(f"engine.name=vllm samples LoRA adapters, and vLLM's LoRA kernels "
                          f"take {' or '.join(LORA_DTYPES)} only, not {dtype}: set "
                          "model.dtype=bfloat16")
     length = settings.max_model_len or min(model_len, DEFAULT_MAX_LEN)
@@ -203,11 +203,11 @@ def check_memory_share(share: float, free_bytes: int, total_bytes: int) -> None:
     """vLLM takes `share` of the whole GPU at start and fails in its engine process (the error
     buried in its log) when less is free: say so here, in one line with the key to change."""
     if not 0.0 < share < 1.0:
-        raise ValueError(f"generator.gpu_memory_utilization must be in (0, 1), not {share}")
+        raise ValueError(f"engine.gpu_memory_utilization must be in (0, 1), not {share}")
     if share * total_bytes > free_bytes:
         asked, total, free = share * total_bytes / 2**30, total_bytes / 2**30, free_bytes / 2**30
         raise ValueError(
-            f"generator.gpu_memory_utilization {share} asks vLLM for {asked:.1f} GiB of the GPU's "
+            f"engine.gpu_memory_utilization {share} asks vLLM for {asked:.1f} GiB of the GPU's "
             f"{total:.0f} GiB, but only {free:.1f} GiB is free (the trainer's weights, other "
             f"processes): use {int(100 * free / total) / 100 - 0.01:.2f} or less")
 
@@ -225,7 +225,7 @@ def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
         enable_prefix_caching=True,  # multi-turn prefixes and the G rows of a maze are reused
         **lora,
         max_model_len=max_model_len,
-        limit_mm_per_prompt={"image": settings.max_images},
+        limit_mm_per_prompt={"image": settings.max_images or 16},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
         disable_log_stats=False,  # keeps the prefix-cache counters (VLLMEngine.cache_metrics)
     )
@@ -270,8 +270,8 @@ class VLLMEngine:
                  adapter_root: Path) -> None:
         self.vllm = import_vllm()
         if lora_rank is None:
-            raise ValueError("generator.engine=vllm samples LoRA adapters by version, so it "
-                             "needs LoRA; full fine-tuning samples with generator.engine="
+            raise ValueError("engine.name=vllm samples LoRA adapters by version, so it "
+                             "needs LoRA; full fine-tuning samples with engine.name="
                              "transformers")
         self.lora_cls = importlib.import_module("vllm.lora.request").LoRARequest
         self.fmt = chat_format(lm.processor)

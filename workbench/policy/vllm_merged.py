@@ -1,4 +1,4 @@
-"""vLLM sampling with the LoRA adapter merged into vLLM's weights (`generator.vllm_lora=merged`).
+"""vLLM sampling with the LoRA adapter merged into vLLM's weights (`engine.vllm_lora=merged`).
 
 With `adapter` (the default) vLLM runs its LoRA kernels beside every projection, and each weights
 version reaches it as a PEFT folder. With `merged`, vLLM is built without LoRA, and each weights

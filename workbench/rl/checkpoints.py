@@ -48,8 +48,8 @@ RESUMABLE = (
     "cluster.*", "storage.*",  # where it runs and where its files live
     "sft.*",  # not read by GRPO
     # memory settings that leave the update unchanged (up to float rounding):
-    "trainer.minibatch", "trainer.gradient_checkpointing", "trainer.selective_checkpointing",
-    "trainer.loss_tokens_only", "trainer.share_prefix", "generator.gpu_memory_utilization",
+    "algorithm.minibatch", "speed.gradient_checkpointing", "speed.selective_checkpointing",
+    "speed.loss_tokens_only", "speed.share_prefix", "engine.gpu_memory_utilization",
 )
 """Config keys that may differ between a checkpoint and the run resuming from it; a change to
 any other key is refused (ResumeConfigChanged). `section.*` allows the whole section."""
@@ -240,7 +240,7 @@ def check_resume_config(ckpt: Path, saved: dict[str, Any], config: RunConfig,
             "trainer.overwrite=true (which deletes it)")
     if allowed:
         note = ""
-        if config.trainer.lr_schedule == "warmup_cosine" and any(
+        if config.algorithm.lr_schedule == "warmup_cosine" and any(
                 c.startswith("trainer.total_steps ") for c in allowed):
             note = f" (the warmup_cosine schedule now ends at step {config.trainer.total_steps})"
         log(f"resuming with changed settings: {', '.join(allowed)}{note}; config.json updated")

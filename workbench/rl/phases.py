@@ -31,10 +31,10 @@ from typing import Any, cast
 
 import numpy as np
 
+from workbench.advantages import ADVANTAGES
 from workbench.envs import InitState, MazeConfig
 from workbench.envs.protocol import Task
 from workbench.policy import SamplingParams, Stream
-from workbench.rl.advantages import ADVANTAGES
 from workbench.rl.evaluate import TABLE_HEADER, EvalResult, summarize
 from workbench.rl.rollout import Episode, play_episodes
 from workbench.session.losses import REDUCTION_SCALES, LossConfig
@@ -459,7 +459,7 @@ def _check_update_args(training_client: Any, datums: Any, loss_fn: Any, loss_cfg
     _takes("update", loss_fn, str, "loss_fn, a loss name such as \"ppo\"",
            "see workbench.session.losses.LOSSES")
     _takes("update", loss_cfg, LossConfig, "loss_cfg, a LossConfig",
-           "pass LossConfig(reduction=config.trainer.loss_reduction)")
+           "pass LossConfig(reduction=config.algorithm.loss_reduction)")
     _takes("update", adam, AdamParams, "adam, an AdamParams",
            "pass AdamParams(learning_rate=3e-4)")
 

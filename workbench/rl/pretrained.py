@@ -44,7 +44,7 @@ def build(folder: str | Path, recipe: PretrainRecipe = RECIPE) -> dict[str, Any]
     start = time.perf_counter()
     torch.set_num_threads(recipe.threads)
     folder = Path(folder)
-    config = apply_overrides(PRESETS["tiny"], recipe.overrides() + [f"run_dir={folder}/.sft"])
+    config = apply_overrides(PRESETS["tiny"], list(recipe.overrides) + [f"run_dir={folder}/.sft"])
     model = run_sft(config, log=lambda *_: None)
     for item in model.iterdir():
         shutil.move(str(item), folder / item.name)
@@ -77,7 +77,8 @@ def main(argv: list[str]) -> None:
     default and print its report."""
     if argv[:1] == ["--build"]:
         fields = json.loads(argv[2])
-        build(argv[1], PretrainRecipe(**fields | {"report_sizes": tuple(fields["report_sizes"])}))
+        build(argv[1], PretrainRecipe(tuple(fields["overrides"]), tuple(fields["report_sizes"]),
+                                      fields["threads"]))
         return
     lines: list[str] = []
 

@@ -59,8 +59,8 @@ def _update_from_record(training_client, folder: Path, config: RunConfig) -> dic
         return {"update/datums": 0}
     up = phases.update(training_client, datums, record["loss_fn"],
                        LossConfig(**record["loss_config"]), AdamParams(**record["adam"]),
-                       config.trainer.minibatch, mini_batches=config.trainer.mini_batches,
-                       epochs=config.trainer.update_epochs)
+                       config.algorithm.minibatch, mini_batches=config.algorithm.mini_batches,
+                       epochs=config.algorithm.update_epochs)
     return {"update/loss": up.metrics["loss"],
             "update/kl_sampler_trainer": up.metrics["kl_sampler_trainer"],
             "update/entropy": up.metrics["entropy"],

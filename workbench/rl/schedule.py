@@ -12,13 +12,13 @@ from workbench.envs import InitState, train_states
 
 def learning_rate(config: RunConfig, step: int) -> float:
     """LR of a 1-based step: constant, or linear warm-up then cosine to zero."""
-    t = config.trainer
-    if t.lr_schedule == "constant":
-        return t.learning_rate
-    if step <= t.warmup_steps:
-        return t.learning_rate * step / max(t.warmup_steps, 1)
-    progress = (step - t.warmup_steps) / max(t.total_steps - t.warmup_steps, 1)
-    return t.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    a = config.algorithm
+    if a.lr_schedule == "constant":
+        return a.learning_rate
+    if step <= a.warmup_steps:
+        return a.learning_rate * step / max(a.warmup_steps, 1)
+    progress = (step - a.warmup_steps) / max(config.trainer.total_steps - a.warmup_steps, 1)
+    return a.learning_rate * 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def step_mazes(config: RunConfig, step: int) -> list[InitState]:
@@ -39,10 +39,10 @@ REFILL_OFFSET = 20_000_000
 
 
 def refill_mazes(config: RunConfig, step: int, round_: int, n: int) -> list[InitState]:
-    """The n <= P refill mazes of round `round_` (1-based) of a step (trainer.dynamic_sampling):
+    """The n <= P refill mazes of round `round_` (1-based) of a step (algorithm.dynamic_sampling):
     a block of P training mazes per (step, round), never a task of the eval set."""
     t = config.trainer
-    block = (step - 1) * max(t.dynamic_sampling, 1) + round_ - 1
+    block = (step - 1) * max(config.algorithm.dynamic_sampling, 1) + round_ - 1
     first = REFILL_OFFSET + block * t.train_batch_size + t.seed * 100_000_000
     return train_states(config.env.size, first, n)
 

@@ -57,7 +57,7 @@ class Trainer:
     run_dir: Path
     step: int = 0  # last completed step
     last_eval: Any = None  # the newest EvalRecord (its episodes feed the viewers)
-    ahead: phases.PendingRollout | None = None  # trainer.off_policy_steps=1: the next rollout
+    ahead: phases.PendingRollout | None = None  # algorithm.off_policy_steps=1: the next rollout
 
     @property
     def training_client(self) -> TrainingClientLike:
@@ -110,7 +110,7 @@ def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
 
 
 def train_step(trainer: Trainer) -> dict[str, float]:
-    """One GRPO step; returns (and logs) its metrics row. With trainer.off_policy_steps=1 the
+    """One GRPO step; returns (and logs) its metrics row. With algorithm.off_policy_steps=1 the
     step's rollout was started by the step before (from that step's weights) and this step
     starts the next one before its update (`samples_ahead`)."""
     c, step = trainer.config, trainer.step + 1
@@ -134,15 +134,16 @@ def train_step(trainer: Trainer) -> dict[str, float]:
                                              c.generator.n_samples_per_prompt, params,
                                              step_seed(c, step + 1), window)
     sc = phases.score(ro)
-    adv = phases.advantages(sc.rewards_P_G, c.trainer.advantage, ro.episodes_P_G,
-                            c.trainer.step_advantage, c.trainer.step_gamma)
+    adv = phases.advantages(sc.rewards_P_G, c.algorithm.advantage, ro.episodes_P_G,
+                            c.algorithm.step_advantage, c.algorithm.step_gamma)
     datums = phases.make_datums(ro, adv)
-    loss_cfg = LossConfig(clip_low=c.trainer.clip_low, clip_high=c.trainer.clip_high,
-                          reduction=c.trainer.loss_reduction, temperature=params.temperature)
-    adam = AdamParams(learning_rate=learning_rate(c, step), grad_clip_norm=c.trainer.grad_clip_norm)
-    up = phases.update(trainer.training_client, datums, c.trainer.loss, loss_cfg, adam,
-                       c.trainer.minibatch, mini_batches=c.trainer.mini_batches,
-                       epochs=c.trainer.update_epochs) if datums else (
+    loss_cfg = LossConfig(clip_low=c.algorithm.clip_low, clip_high=c.algorithm.clip_high,
+                          reduction=c.algorithm.loss_reduction, temperature=params.temperature)
+    adam = AdamParams(learning_rate=learning_rate(c, step),
+                      grad_clip_norm=c.algorithm.grad_clip_norm)
+    up = phases.update(trainer.training_client, datums, c.algorithm.loss, loss_cfg, adam,
+                       c.algorithm.minibatch, mini_batches=c.algorithm.mini_batches,
+                       epochs=c.algorithm.update_epochs) if datums else (
         phases.UpdateRecord.empty(adam.learning_rate))  # no step; the loop says why, once
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0, sampled_P_G)
@@ -154,7 +155,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
         index = phases.datum_index(ro, adv)
         rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
                                 sc.rewards_P_G, adv.advantages_P_G, index, datums,
-                                {"step": step, "adam": adam.__dict__, "loss_fn": c.trainer.loss,
+                                {"step": step, "adam": adam.__dict__, "loss_fn": c.algorithm.loss,
                                  "loss_config": loss_cfg.__dict__, "metrics": row})
     rundir.append_metrics(trainer.run_dir, row, trainer.config.trainer.logger)
     trainer.session.report_metrics(row, trainer.run_dir.name)  # Ray: to Ray's metrics
@@ -163,15 +164,15 @@ def train_step(trainer: Trainer) -> dict[str, float]:
 
 def refill(config: RunConfig, sampler: Any, ro: phases.RolloutRecord, params: SamplingParams,
            step: int) -> tuple[phases.RolloutRecord, list[list[Any]]]:
-    """trainer.dynamic_sampling (DAPO): each group of `ro` that carries no signal is replaced by
+    """algorithm.dynamic_sampling (DAPO): each group of `ro` that carries no signal is replaced by
     the group of a fresh refill maze (`schedule.refill_mazes`), for up to N rounds or until
     every group carries signal. Returns the record to train on (P groups, the last round's
     flat ones included) and every group sampled this step (for the success metrics)."""
     c = config
     sampled_P_G = list(ro.episodes_P_G)
-    for round_ in range(1, c.trainer.dynamic_sampling + 1):
-        adv = phases.advantages(phases.score(ro).rewards_P_G, c.trainer.advantage,
-                                ro.episodes_P_G, c.trainer.step_advantage, c.trainer.step_gamma)
+    for round_ in range(1, c.algorithm.dynamic_sampling + 1):
+        adv = phases.advantages(phases.score(ro).rewards_P_G, c.algorithm.advantage,
+                                ro.episodes_P_G, c.algorithm.step_advantage, c.algorithm.step_gamma)
         live = {p for p, _ in phases.datum_index(ro, adv)}
         flat = [p for p in range(len(ro.episodes_P_G)) if p not in live]
         if not flat:
@@ -196,10 +197,11 @@ def checkpoint_due(config: RunConfig, step: int) -> bool:
 
 def samples_ahead(config: RunConfig, step: int) -> bool:
     """Whether step `step` starts the next step's rollout before its update: with
-    trainer.off_policy_steps=1, unless it is the last step or a checkpoint step (the step after
+    algorithm.off_policy_steps=1, unless it is the last step or a checkpoint step (the step after
     a checkpoint samples on-policy, in a resumed run as in an uninterrupted one)."""
     t = config.trainer
-    return t.off_policy_steps == 1 and step < t.total_steps and not checkpoint_due(config, step)
+    return config.algorithm.off_policy_steps == 1 and step < t.total_steps \
+        and not checkpoint_due(config, step)
 
 
 def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
@@ -315,11 +317,11 @@ def _loop(trainer: Trainer, log: Any) -> Trainer:
                disable=None)  # None: no bar when output is not a terminal
     log = tqdm.write if log is print else log  # one summary line per step above the bar
     first, start, told = trainer.step, time.perf_counter(), False
-    if t.off_policy_steps and not trainer.session.overlaps_sampling:
-        log("trainer.off_policy_steps=1 with generator.engine=transformers in-process: each "
+    if trainer.config.algorithm.off_policy_steps and not trainer.session.overlaps_sampling:
+        log("algorithm.off_policy_steps=1 with engine.name=transformers in-process: each "
             "step's update and the next step's rollout (sampled from the weights before that "
             "update) take turns on the session's one worker, with no overlap; with "
-            "generator.engine=vllm or on Ray (cluster.address) they overlap")
+            "engine.name=vllm or on Ray (cluster.address) they overlap")
     with bar:
         while trainer.step < t.total_steps:
             row = train_step(trainer)

@@ -55,7 +55,7 @@ class ModelHost:
     base_hash: str  # sha256 of the base weights (adapters refuse other bases)
     workdir: Path
     optimizer: torch.optim.Optimizer
-    engine: Engine  # draws samples (generator.engine); follows the sampler versions below
+    engine: Engine  # draws samples (engine.name); follows the sampler versions below
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     static: Any = None  # the CUDA-graph decode state (policy.graphs.StaticDecode), if built
     opt_steps: int = 0
@@ -120,8 +120,8 @@ def _sampler_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
 
     if speed.gqa_decode:
         use_gqa_decode_attention(host.lm.model)
-    host.static = make_static_decode(host.lm.model, speed.kv_rows, speed.kv_tokens, speed.bucket,
-                                     use_graphs=True, fused=speed.fused_decode,
+    host.static = make_static_decode(host.lm.model, speed.kv_rows or 64, speed.kv_tokens,
+                                     speed.bucket, use_graphs=True, fused=speed.fused_decode,
                                      compiled=speed.compile_decode)
     host.engine = GraphEngine(host.lm, host.static)
 

@@ -14,7 +14,7 @@ before either is awaited. A SamplingClient is bound to the weights version it wa
 it swaps that LoRA snapshot in for its calls and the trainer's weights back afterwards. With
 vLLM (an engine with weights of its own) its `sample` and `play` instead run in order on a
 second thread, from the version's snapshot, so a rollout can run while the trainer updates
-(`trainer.off_policy_steps=1`); `compute_logprobs` (the model's own forward) stays on the first.
+(`algorithm.off_policy_steps=1`); `compute_logprobs` (the model's own forward) stays on the first.
 
 The behaviour is the public functions of `session.host`; the Ray backend (`workbench.cluster`)
 runs the same functions inside its trainer and sampler actors.

@@ -22,7 +22,7 @@ import torch
 @dataclass(frozen=True)
 class LossConfig:
     """Knobs of the policy losses (SkyRL's PPO defaults: clip 0.2 / 0.2; the reduction is the
-    run's default, trainer.loss_reduction)."""
+    run's default, algorithm.loss_reduction)."""
 
     clip_low: float = 0.2  # PPO: ratio floor is 1 - clip_low
     clip_high: float = 0.2  # PPO: ratio ceiling is 1 + clip_high

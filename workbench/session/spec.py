@@ -20,45 +20,85 @@ from workbench.policy.engine import EngineSettings
 
 @dataclass(frozen=True)
 class SpeedSettings:
-    """The fast paths a host is built with (all off by default: the CPU path). Each can be
-    switched off alone to measure what it brings (benchmarks/gpu.py).
+    """The fast paths a host is built with (the `speed.*` keys of a run). Each can be switched
+    off alone to measure what it brings (benchmarks/gpu.py)."""
 
-    Sampler side (a CUDA device with the transformers engine): `cuda_graphs` puts the decode on a
-    KV pool sized for the rollout and replays each step as a CUDA graph (`policy.graphs`), with
-    grouped-query decode attention, through a merged, fused copy of the text weights
-    (`policy.fused`), optionally torch.compile'd. Trainer side: gradient checkpointing, the
-    lm_head only on loss tokens, LoRA in bf16 under autocast, compiled decoder layers."""
-
-    cuda_graphs: bool = False  # generator.cuda_graphs (CUDA + transformers engine only)
-    gqa_decode: bool = True  # with cuda_graphs: one-token steps read each KV head once
-    kv_rows: int = 64  # rows the KV pool is sized for (P x G of a rollout)
-    kv_tokens: int = 2048  # tokens per row the KV pool is sized for (grown if exceeded)
-    bucket: int = 256  # decode attention window granularity (one graph per bucket)
-    fused_decode: bool = True  # generator.fused_decode (with cuda_graphs)
-    compile_decode: bool = False  # generator.compile_decode (with fused_decode)
-    gradient_checkpointing: bool = False  # trainer.gradient_checkpointing
-    selective_checkpointing: bool = False  # trainer.selective_checkpointing
-    compile_layers: bool = False  # trainer.compile_layers
-    loss_tokens_only: bool = False  # trainer.loss_tokens_only
-    share_prefix: bool = False  # trainer.share_prefix
-    lora_autocast: bool = False  # trainer.lora_autocast
+    cuda_graphs: bool = False
+    """On a CUDA device with the transformers engine: decode steps replayed as CUDA graphs over a
+    KV pool sized for the rollout (`policy.graphs`). Ignored on CPU and by the vllm engine."""
+    gqa_decode: bool = True
+    """With cuda_graphs: one-token decode steps read each grouped-query KV head once."""
+    kv_rows: int = 0
+    """Rows the KV pool is sized for (0 = P x G of the run's rollout; 64 outside a run)."""
+    kv_tokens: int = 2048
+    """Tokens per row the KV pool is sized for (grown if an episode needs more)."""
+    bucket: int = 256
+    """Decode attention window granularity: one CUDA graph per bucket."""
+    fused_decode: bool = True
+    """With cuda_graphs: decode steps read the sampler's own copy of the text weights with the
+    LoRA adapter merged in and q/k/v and gate/up fused (4 GEMMs a layer instead of 7 plus peft's
+    LoRA kernels), re-merged when the sampler's weights version changes (`policy.fused`). Costs
+    the text matrices once more in GPU memory, and W + BA rounded to bf16 makes the sampler's
+    log-probs differ from the trainer's about 4x more than unmerged LoRA."""
+    compile_decode: bool = False
+    """With fused_decode: torch.compile each layer's decode step before it is captured; a
+    compile failure falls back to the eager step and says why."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward instead of keeping them (the 8B shape
+    needs it on one GPU; SkyRL: trainer.gradient_checkpointing). Same gradients, more time."""
+    selective_checkpointing: bool = False
+    """With gradient_checkpointing: keep each layer's matmul and attention outputs and recompute
+    only the elementwise ops (norms, rotary, SiLU, casts) in backward."""
+    compile_layers: bool = False
+    """torch.compile each text decoder layer for the update; the first update pays the
+    compilation (about a minute), calls without grad (the sampler's prefill) stay eager."""
+    loss_tokens_only: bool = False
+    """Run the lm_head only on tokens that carry loss weight (the replies): at Qwen's 151,936
+    vocabulary this saves most of the output layer's time and memory. Same loss and gradients."""
+    share_prefix: bool = False
+    """Run the prompt the G episodes of a maze share (system prompt and first observation) once
+    per group in the update and continue each episode from its KV cache (the same log-probs and
+    gradients; `policy.forward.token_logprobs`). Ignored with compile_layers."""
+    lora_autocast: bool = False
+    """On a bf16 base: compute the LoRA adapters in bf16 under autocast instead of peft's float32
+    path; adapter weights, gradients and Adam stay float32. Ignored on float32 models."""
 
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """Where the session runs: in this process (address "") or on Ray actors."""
+    """Where the session runs: in this process (address "") or on Ray actors (README, "Ray")."""
 
-    address: str = ""  # "" | local | auto | ray://host:10001 (cluster.address)
-    num_cpus: int = 0  # CPUs a local Ray instance may use (0 = all)
-    num_gpus: int = 0  # GPUs a local Ray instance may use (0 = Ray detects them)
-    dashboard: bool = False  # Ray's dashboard with a local instance
-    temp_dir: str = ""  # temp/log folder of a local Ray instance
-    num_workers: int = 1  # data-parallel trainer actors
-    num_engines: int = 1  # sampler actors (0: a trainer-only session, e.g. SFT)
-    colocate_all: bool = True  # trainer i and engine i share placement bundle i
-    strategy: str = "ddp"  # ddp | fsdp
-    cpus_per_actor: float = 0.5  # CPU share reserved for each actor
-    threads_per_actor: int = 0  # torch threads in each actor (0 = Ray's default)
+    address: str = ""
+    """"" = in-process (no Ray); "local" = start Ray here; "auto" = the running cluster (or
+    RAY_ADDRESS); "ray://host:10001" = a remote cluster through Ray Client."""
+    num_cpus: int = 0
+    """CPUs a local Ray instance may use (0 = all of this machine's)."""
+    num_gpus: int = 0
+    """GPUs a local Ray instance may use (0 = Ray detects them)."""
+    dashboard: bool = False
+    """Start Ray's dashboard with a local instance (bound to 127.0.0.1)."""
+    temp_dir: str = ""
+    """Temp/log folder of a local Ray instance ("" = Ray's default, /tmp/ray)."""
+    num_workers: int = 1
+    """N: data-parallel trainer actors; each takes a slice of the datums and gradients are
+    all-reduced (SkyRL: trainer.placement.policy_num_gpus_per_node). Ignored in-process."""
+    num_engines: int = 1
+    """M: sampler actors; a rollout's mazes are spread over them (SkyRL:
+    generator.num_inference_engines; 0: a trainer-only session, e.g. SFT). Ignored in-process."""
+    colocate_all: bool = True
+    """Trainer worker i and sampler engine i share placement-group bundle i (fractional GPU);
+    false gives them separate bundles (SkyRL: trainer.placement.colocate_all)."""
+    strategy: str = "ddp"
+    """Data-parallel strategy of the trainer actors: ddp (replicas, gradients all-reduced) |
+    fsdp (GPU only: the frozen base is sharded over the workers, LoRA weights all-reduced)."""
+    cpus_per_actor: float = 0.5
+    """CPU share reserved for each trainer worker and each sampler engine."""
+    threads_per_actor: int = 0
+    """torch CPU threads in each actor (0 = Ray's default: its CPU share, at least 1). Trainer
+    and engines of a synchronous loop take turns, so colocated actors may each use the whole
+    bundle's cores."""
+    max_restarts: int = 3
+    """Times a run reopens its session from the last checkpoint after a Ray actor died."""
 
     @property
     def on_ray(self) -> bool:

@@ -1,5 +1,5 @@
 """Group-relative advantage estimators, one function each, picked by name from `ADVANTAGES`
-(`trainer.advantage`): rewards_P_G in, advantages_P_G out."""
+(`algorithm.advantage`): rewards_P_G in, advantages_P_G out."""
 
 from __future__ import annotations
 
