@@ -253,7 +253,7 @@ def test_config_selects_engine_with_skyrl_alias() -> None:
     assert RunConfig().engine.name == "transformers"
     assert apply_overrides(RunConfig(), ["engine.name=vllm"]).engine.name == "vllm"
     assert apply_overrides(RunConfig(), ["generator.backend=vllm"]).engine.name == "vllm"
-    with pytest.raises(ConfigError, match=r"generator\.engine.*'transformers', 'vllm'"):
+    with pytest.raises(ConfigError, match=r"engine\.name.*'transformers', 'vllm'"):
         apply_overrides(RunConfig(), ["engine.name=sglang"])
     merged = apply_overrides(RunConfig(), ["engine.name=vllm", "engine.vllm_lora=merged"])
     assert session_spec(merged, "/tmp/w").engine.vllm_lora == "merged"
