@@ -119,7 +119,7 @@ class GeneratorConfig:
     """Fraction of GPU memory a sampler engine may use (GPU engines only; ignored on CPU)."""
     max_model_len: int = 0
     """vLLM's context length in tokens: 0 = the model's max_position_embeddings, at most 16384
-    (a 15-turn seed-shape episode holds about 2,500 tokens; Qwen3-VL-8B allows 262,144, whose KV
+    (a 15-turn 8B-shape episode holds about 2,500 tokens; Qwen3-VL-8B allows 262,144, whose KV
     for one request alone would take 36 GiB). Above the model's own limit: an error."""
     engine: str = "transformers"
     """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
@@ -139,7 +139,7 @@ class GeneratorConfig:
     LoRA kernels); re-merged when the sampler's weights version changes. Costs the text matrices
     once more in GPU memory (13.9 GB for the 8B shape), and W + BA rounded to bf16 makes the
     sampler's log-probs differ from the trainer's ~4x more than unmerged LoRA (KL 1.5e-3 to
-    4.2e-3 on the H200; benchmarks/RESULTS.md) (workbench/policy/fused.py)."""
+    4.2e-3 on the H200; benchmarks/RESULTS.md, "The sampler") (workbench/policy/fused.py)."""
     compile_decode: bool = False
     """With fused_decode: torch.compile each layer's decode step (norms, rotary, epilogues fused)
     before it is captured; a compile failure falls back to the eager step and says why."""
@@ -172,7 +172,7 @@ class TrainerConfig:
     clip_high: float = 0.2
     """PPO ratio ceiling 1 + clip_high."""
     advantage: str = "grpo"
-    """grpo | dr_grpo | rloo."""
+    """grpo | dr_grpo | rloo | parity (for benchmarks only: +-1 by episode index, no signal)."""
     step_advantage: float = 0.0
     """Weight of GiGPO's step-level advantage added to each turn (0 = plain episode-level
     GRPO): turns taken from the same square within a maze's group are compared by their
@@ -263,7 +263,7 @@ class TrainerConfig:
     """Run the prompt the G episodes of a maze share (system prompt and first observation) once
     per group in the update and continue each episode from its KV cache (the same log-probs
     and gradients; `policy.forward.token_logprobs`). Off by default: at the tiny default's
-    33-token prompt it saved nothing on the CPU (docs/benchmarks.md). Ignored with
+    33-token prompt it saved nothing on the CPU (README, "What moved the numbers"). Ignored with
     trainer.compile_layers."""
     loss_tokens_only: bool = False
     """Run the lm_head only on tokens that carry loss weight (the replies): at Qwen's 151,936
@@ -571,12 +571,11 @@ PRESETS: dict[str, RunConfig] = {
         lora=LoraConfig(rank=32, alpha=64, vision=False),
         env=EnvConfig(size=9, px_per_cell=25, grammar="tuple", reward="stop_on_goal",
                       format_weight=0.2),
-        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md, issue 16): vLLM
-        # samples with the adapter merged into its weights (rollout 7.6 s against 11.9 s with
-        # its LoRA kernels on the same day, and 12.0 s for our compiled CUDA-graph decode;
-        # side_by_side.py) in a 0.3 share beside the trainer (peak 72 GB): bf16 LoRA, compiled
-        # layers, no checkpointing at 4 episodes a call (run 8). generator.engine=transformers
-        # keeps our engine (compiled fused decode, CUDA graphs).
+        # Speed, measured on one H200 with the 8B shape (benchmarks/RESULTS.md, "The sampler",
+        # "The update"): vLLM samples with the adapter merged into its weights (faster than with
+        # its LoRA kernels and than our compiled CUDA-graph decode) in a 0.3 share beside the
+        # trainer: bf16 LoRA, compiled layers, no checkpointing at 4 episodes a call.
+        # generator.engine=transformers keeps our engine (compiled fused decode, CUDA graphs).
         generator=GeneratorConfig(n_samples_per_prompt=8, max_turns=15, temperature=0.7,
                                   max_tokens=32, gpu_memory_utilization=0.3, engine="vllm",
                                   vllm_lora="merged", compile_decode=True),
