@@ -48,24 +48,25 @@ demo: setup
 demo-long: setup
 	$(BIN)/python -m workbench demo --out runs/demo-long --long
 
+# The benchmarks (benchmarks/, run as `python -m benchmarks.NAME`; figures in
+# benchmarks/RESULTS.md). Run each alone on the machine.
 bench: setup
-	$(BIN)/python benchmarks/bench.py
+	$(BIN)/python -m benchmarks.bench
 
 # Each notebook's wall time with its committed parameters, as CI runs it (budget: 30 s each).
 bench-notebooks: setup
-	$(BIN)/python benchmarks/notebooks.py
+	$(BIN)/python -m benchmarks.notebooks
 
-# The issue-7 benchmarks (figures in benchmarks/RESULTS.md). Run each alone on the machine.
 bench-scale: setup
-	$(BIN)/python benchmarks/scale.py --out runs/bench/scale.json --plot docs/scale_cpu.png
+	$(BIN)/python -m benchmarks.scale --out runs/bench/scale.json --plot docs/scale_cpu.png
 
 bench-trl: setup
 	bash benchmarks/trl_env.sh
-	benchmarks/.trl-venv/bin/python benchmarks/trl_compare.py --plot docs/trl_compare.png
+	benchmarks/.trl-venv/bin/python -m benchmarks.trl_compare --plot docs/trl_compare.png
 
-# On a CUDA machine (the H200 runs used its own python3: torch 2.11, transformers 5.17).
+# The product's GRPO step on a CUDA machine (the 8B shape, vLLM sampling, in-process).
 bench-gpu:
-	python3 benchmarks/gpu.py --out runs/bench/gpu
+	python3 -m benchmarks.gpu --out runs/bench/gpu.json
 
 # JupyterLab over notebooks/ on this project's kernel (python3 resolves to .venv's python).
 lab: setup

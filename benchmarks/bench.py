@@ -1,40 +1,34 @@
-"""Benchmarks (`make bench`): print medians; nothing here is asserted by tests.
+"""`make bench`: the CPU figures of the parts, printed (medians; no test asserts them).
 
-- env: maze steps/s with rendering (image + ascii observation), one thread.
-- sampling: tiny default, batch of 64 episodes of 9x9 mazes: prefill tokens/s of the first
-  prompt and decode tokens/s (KV cache), plus a full 15-turn model rollout (turns/s).
-- serving: the OpenAI endpoint on Ray Serve, requests/s and median latency, with and without
-  adapter switching (alone: `python -c "import sys; sys.path.insert(0, 'benchmarks');
-  import bench; bench.print_serving()"`).
-- ray: a GRPO step of the demo shape in-process vs on a local Ray instance (the same steps,
-  alternated), and rollout throughput with 1 vs 2 sampler engines (alone: `... bench.print_ray()`).
-- issue 13's cheaper steps: the update with each distinct image encoded once against every
-  occurrence encoded, and one AdamW step fused against the per-tensor loop (everything but
-  serving and Ray: `... bench.print_core()`).
+- env: maze steps/s with rendering, one thread.
+- sampling: prefill and decode tokens/s of 64 first-turn rows of the tiny default.
+- step: the product's GRPO step in the demo shape (`benchmarks.gpu` on the CPU), per phase,
+  and one evaluation of the 64 held-out mazes.
+- update: one rollout's 64 episodes with each distinct image encoded once against every
+  occurrence encoded, and with each maze's first prompt run once (speed.share_prefix).
+- dynamic sampling: the demo's first 6 steps without and with algorithm.dynamic_sampling=2.
+- AdamW: one step fused against the per-tensor loop.
+- serving: the OpenAI endpoint on Ray Serve, requests/s and latency, with adapter switching.
+- ray: the step in-process against a local Ray instance, and its rollout on 1 against 2 engines.
+
+    python -m benchmarks.bench                 # everything (make bench)
+    python -m benchmarks.bench core serving    # some parts: core | serving | ray
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from benchmarks.gpu import bench, first_prompts, time_decode
 from workbench.envs import MazeConfig, MazeEnv, eval_set
 from workbench.model import load_model
-from workbench.policy import (
-    SamplingParams,
-    append_user,
-    chat_format,
-    decode,
-    encode_image,
-    extend,
-    open_batch,
-    start_stream,
-)
-from workbench.rl import play_model
+from workbench.policy import SamplingParams
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -61,108 +55,32 @@ def bench_env(steps: int = 2000, repeats: int = 5) -> float:
     return steps / _median_time(run, repeats)
 
 
-def bench_sampling(batch: int = 64, new_tokens: int = 8, repeats: int = 5) -> dict[str, float]:
-    """Median prefill and decode tokens/s for `batch` first-turn prompts."""
+def bench_sampling(batch: int = 64, new_tokens: int = 8) -> dict[str, float]:
+    """Prefill and decode of `batch` first-turn rows of the tiny default (9x9 mazes), through
+    the engine's rows as `benchmarks.gpu.time_decode` times every engine."""
+    from workbench.policy.engine import TransformersEngine
+
     lm = load_model("tiny")
-    fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
-    config = MazeConfig(size=9)
-    streams = []
-    for state in eval_set(9, batch):
-        env = MazeEnv(config)
-        obs, info = env.reset(options={"init_state": state})
-        s = start_stream(lm.processor, fmt, "You are in a maze.")
-        streams.append(append_user(s, lm.processor, fmt, info["budget_text"],
-                                   encode_image(lm.processor, obs["image"])))
-    prompt_tokens = sum(len(s) for s in streams)
-    params = SamplingParams(max_tokens=new_tokens, temperature=1.0)
-    fmt = fmt.__class__(**{**fmt.__dict__, "im_end": -1})  # never stop early: fixed decode length
-    prefill, dec = [], []
-    for r in range(repeats):
-        live = open_batch()
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            extend(lm.model, live, streams, pad)
-        t1 = time.perf_counter()
-        decode(lm.model, live, fmt, params, torch.Generator().manual_seed(r))
-        t2 = time.perf_counter()
-        prefill.append(prompt_tokens / (t1 - t0))
-        dec.append(batch * new_tokens / (t2 - t1))
-    return {"prefill_tokens_per_s": statistics.median(prefill),
-            "decode_tokens_per_s": statistics.median(dec), "prompt_tokens": prompt_tokens / batch}
-
-
-def bench_rollout(mazes: int = 8, group: int = 8, repeats: int = 3) -> dict[str, float]:
-    """Median seconds for a 15-turn rollout of mazes x group episodes (untrained model)."""
-    lm = load_model("tiny")
-    config, states = MazeConfig(size=9), eval_set(9, mazes)
-    params = SamplingParams(max_tokens=2, temperature=1.0)
-    turns = []
-
-    def run() -> None:
-        eps = play_model(lm, config, states, group, params, torch.Generator().manual_seed(0))
-        turns.append(sum(e.turns for g in eps for e in g))
-
-    seconds = _median_time(run, repeats)
-    return {"rollout_s": seconds, "turns_per_s": statistics.median(turns) / seconds}
+    prompts = first_prompts(lm.processor, MazeConfig(size=9), batch)
+    return time_decode(TransformersEngine(lm), prompts, 1, new_tokens, repeats=5) | {
+        "prompt_tokens": sum(len(p) for p in prompts) / batch}
 
 
 def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
-    """Median per-phase seconds of one GRPO step in the demo shape (8 mazes x 8 samples, 9x9,
-    15 turns, LoRA 32). The untrained tiny model earns no reward, so advantages are set to +-1
-    by episode parity: the update does the same work as with real signal."""
-    import resource
-
-    from workbench.config import PRESETS
-    from workbench.rl import phases
-    from workbench.rl.schedule import step_mazes
-    from workbench.session import (
-        AdamParams,
-        LossConfig,
-        SessionSpec,
-        create_session,
-        datum_from_stream,
-    )
-
-    config = PRESETS["tiny"]
-    session = create_session(SessionSpec("tiny", workdir="/tmp/workbench-bench"))
-    tc = session.training_client
-    out = {k: [] for k in ("rollout", "score", "advantages", "update", "eval", "sampled_tokens_s",
-                           "update_tokens_s")}
-    for r in range(repeats):
-        sampler = tc.save_weights_and_get_sampling_client()
-        ro = phases.rollout(sampler, config.maze, step_mazes(config, r + 1), 8,
-                            SamplingParams(max_tokens=2, temperature=1.0), seed=r)
-        t0 = time.perf_counter()
-        sc = phases.score(ro)
-        t1 = time.perf_counter()
-        phases.advantages(sc.rewards_P_G, "grpo")
-        t2 = time.perf_counter()
-        datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
-                  for k, ep in enumerate(ro.flat)]
-        up = phases.update(tc, datums, "ppo", LossConfig(reduction="token_mean"),
-                           AdamParams(learning_rate=1e-4))
-        ev = phases.evaluate(sampler, config.maze, eval_set(9, 64), greedy=True,
-                             sampled_passes=0, max_tokens=2)
-        sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
-        tokens = sum(len(d.stream) for d in datums)
-        for key, value in (("rollout", ro.seconds), ("score", t1 - t0), ("advantages", t2 - t1),
-                           ("update", up.seconds), ("eval", ev.seconds),
-                           ("sampled_tokens_s", sampled / ro.seconds),
-                           ("update_tokens_s", tokens / up.seconds)):
-            out[key].append(value)
-    result = {k: statistics.median(v) for k, v in out.items()}
-    result["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
-    session.close()
-    return result
+    """The product's GRPO step in the demo shape (8 mazes x 8 samples, 9x9, 15 turns, LoRA 32,
+    2-token replies; `benchmarks.gpu`), then one evaluation of the 64 mazes: medians."""
+    return bench(["--model", "tiny", "--device", "cpu", "--steps", str(repeats),
+                  "--max-tokens", "2", "--eval", "eval.n_mazes=64", "eval.sampled_passes=0"],
+                 log=lambda *_: None)
 
 
 def _update_batch():
     """A tiny session (LoRA 32 with the vision tower) and the 64 datums of one rollout of the
-    demo's shape (8 mazes x 8 samples), advantages +-1 in turn."""
+    demo's shape (8 mazes x 8 samples), advantages by `algorithm.advantage=parity`."""
     from workbench.config import PRESETS
     from workbench.rl import phases
     from workbench.rl.schedule import step_mazes
-    from workbench.session import SessionSpec, create_session, datum_from_stream
+    from workbench.session import SessionSpec, create_session
 
     config = PRESETS["tiny"]
     session = create_session(SessionSpec("tiny", config.lora,
@@ -170,8 +88,8 @@ def _update_batch():
     sampler = session.training_client.save_weights_and_get_sampling_client()
     ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
                         SamplingParams(max_tokens=2, temperature=1.0), seed=0)
-    datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
-    return session, datums
+    adv = phases.advantages(phases.score(ro).rewards_P_G, "parity")
+    return session, phases.make_datums(ro, adv)
 
 
 def _update(tc, datums):
@@ -351,82 +269,33 @@ def print_serving() -> None:
               f"{1000 * r['median_latency_s']:5.0f} ms")
 
 
-def _demo_step(tc, config, step: int) -> float:
-    """Seconds of one GRPO step of the demo shape through a session's clients: scale.grpo_step
-    (sync, rollout, update with +-1 advantages by episode parity: the untrained tiny model earns
-    no reward)."""
-    from scale import grpo_step  # benchmarks/ is on sys.path wherever this module is imported
-
-    return grpo_step(tc, config, step).step_s
-
-
-def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:
-    """Median seconds per GRPO step of the demo shape (8 mazes x 8 samples, 9x9, 15 turns, LoRA
-    32), in-process and on a local Ray instance (1 trainer + 1 engine colocated, `threads` torch
-    threads each, as in-process), the same steps alternated after one warm-up step each; then
-    the rollout of one step (64 episodes) on 1 engine x `threads` threads vs 2 engines x 1."""
-    import os
-    import tempfile
-
-    from workbench.cluster import connect, create_ray_session, disconnect
-    from workbench.config import PRESETS
-    from workbench.rl import phases
-    from workbench.rl.schedule import step_mazes
-    from workbench.session import ClusterSpec, SessionSpec, create_session
-
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a loopback-only instance; no token file
-    config, tmp = PRESETS["tiny"], Path(tempfile.mkdtemp(prefix="workbench-bench-ray-"))
-    torch.set_num_threads(threads)
-    connect("local", num_cpus=2, temp_dir=tmp / "ray", log=lambda *_: None)
-    try:
-        local = create_session(SessionSpec("tiny", workdir=str(tmp / "inprocess")))
-        ray_s = create_ray_session(SessionSpec("tiny", workdir=str(tmp / "ray-session"),
-                                               cluster=ClusterSpec("local", colocate_all=True,
-                                                                   threads_per_actor=threads)))
-        times = {"in-process": [], "ray": []}
-        for step in range(steps + 1):
-            for name, session in (("in-process", local), ("ray", ray_s)):
-                seconds = _demo_step(session.training_client, config, step + 1)
-                if step:  # step 0 warms up
-                    times[name].append(seconds)
-        local.close()
-        ray_s.close()
-        out = {f"step_s/{k}": statistics.median(v) for k, v in times.items()}
-        states, params = step_mazes(config, 1), SamplingParams(max_tokens=2, temperature=1.0)
-        for engines, per_engine in ((1, threads), (2, 1)):
-            cluster = ClusterSpec("local", num_engines=engines, colocate_all=False,
-                                  threads_per_actor=per_engine)
-            s = create_ray_session(SessionSpec("tiny", workdir=str(tmp / f"e{engines}"),
-                                               cluster=cluster))
-            sampler = s.training_client.save_weights_and_get_sampling_client()
-            phases.rollout(sampler, config.maze, states, 8, params, seed=0)  # warm-up
-            ros = [phases.rollout(sampler, config.maze, states, 8, params, seed=r + 1)
-                   for r in range(3)]
-            s.close()
-            seconds = statistics.median(ro.seconds for ro in ros)
-            turns = statistics.median(sum(ep.turns for ep in ro.flat) for ro in ros)
-            out[f"rollout_episodes_per_s/{engines}"] = 64 / seconds
-            out[f"rollout_turns_per_s/{engines}"] = turns / seconds
-    finally:
-        disconnect()
-    return out
+def bench_ray(steps: int = 3) -> dict[str, dict]:
+    """The product's step of the demo shape (`bench_grpo_step`'s) in-process and on a local Ray
+    instance (1 trainer + 1 engine colocated, 2 torch threads each, as in-process), then on Ray
+    with 1 engine of 2 threads against 2 engines of 1 (its rollout)."""
+    base = ["--model", "tiny", "--device", "cpu", "--steps", str(steps), "--max-tokens", "2",
+            "--threads", "2"]
+    ray = ["--backend", "ray", "cluster.num_cpus=2"]
+    quiet = {"log": lambda *_: None}
+    return {"in-process": bench(base, **quiet),
+            "ray": bench(base + ray + ["cluster.threads_per_actor=2"], **quiet),
+            "2 engines": bench(base + ray + ["cluster.num_engines=2", "cluster.colocate_all="
+                                             "false", "cluster.threads_per_actor=1"], **quiet)}
 
 
 def print_ray(steps: int = 3) -> None:
     """Run bench_ray and print its figures."""
     r = bench_ray(steps)
-    local, ray_s = r["step_s/in-process"], r["step_s/ray"]
+    local, ray_s = r["in-process"]["step_s"], r["ray"]["step_s"]
     print("GRPO step, demo shape (8 mazes x 8 samples, 9x9, 15 turns, LoRA 32, 2 threads), "
-          f"median of {steps} alternated: in-process {local:.2f} s, local Ray {ray_s:.2f} s "
+          f"median of {steps}: in-process {local:.2f} s, local Ray {ray_s:.2f} s "
           f"(overhead {100 * (ray_s / local - 1):+.1f}%)")
-    for engines, label in ((1, "1 engine x 2 threads"), (2, "2 engines x 1 thread")):
-        print(f"  rollout of 64 episodes, {label}: {r[f'rollout_episodes_per_s/{engines}']:.1f} "
-              f"episodes/s, {r[f'rollout_turns_per_s/{engines}']:.0f} turns/s")
+    for name, label in (("ray", "1 engine x 2 threads"), ("2 engines", "2 engines x 1 thread")):
+        print(f"  rollout of 64 episodes on Ray, {label}: {r[name]['rollout_s']:.2f} s")
 
 
 def print_core() -> None:
-    """The env, sampler, rollout and GRPO-step figures, the distinct-image update and AdamW
-    (everything of `make bench` but serving and Ray)."""
+    """Every part of `make bench` but serving and Ray."""
     torch.set_num_threads(1)
     print(f"env: {bench_env():,.0f} steps/s (9x9, 16 px, render every step, 1 thread)")
     torch.set_num_threads(2)
@@ -434,20 +303,16 @@ def print_core() -> None:
     print(f"sampling (tiny, batch 64, 2 threads): prefill {s['prefill_tokens_per_s']:,.0f} "
           f"tokens/s ({s['prompt_tokens']:.0f}-token prompts), "
           f"decode {s['decode_tokens_per_s']:,.0f} tokens/s")
-    r = bench_rollout()
-    print(f"rollout (tiny, 8 mazes x 8 samples, 15 turns, 2-token replies, 2 threads): "
-          f"{r['rollout_s']:.2f} s, {r['turns_per_s']:.0f} turns/s")
     g = bench_grpo_step()
     print("GRPO step (demo shape: 8 mazes x 8 samples, 9x9, 15 turns, LoRA 32, 2 threads), "
-          f"median s: rollout {g['rollout']:.2f}, score {g['score']:.4f}, advantages "
-          f"{g['advantages']:.4f}, update {g['update']:.2f}, eval (64 mazes greedy) "
-          f"{g['eval']:.2f}")
-    print(f"  sampled {g['sampled_tokens_s']:,.0f} reply tokens/s, update "
-          f"{g['update_tokens_s']:,.0f} tokens/s, peak RSS {g['peak_rss_gb']:.2f} GB")
+          f"median s: step {g['step_s']:.2f}, rollout {g['rollout_s']:.2f}, update "
+          f"{g['update_s']:.2f}, weight sync {g['weight_sync_s']:.3f}; eval (64 mazes greedy) "
+          f"{g['eval_s']:.2f}")
+    print(f"  sampled {g['sampled_tokens_per_s']:,.0f} reply tokens/s, update "
+          f"{g['update_tokens_per_s']:,.0f} tokens/s, peak RSS {g['peak_rss_gb']:.2f} GB")
     d = bench_distinct_images()
     print(f"update of 64 episodes ({d['images']} images, {d['distinct_images']} distinct), "
-          "median s: "
-          f"every image encoded {d['every_occurrence']:.2f}, each distinct image once "
+          f"median s: every image encoded {d['every_occurrence']:.2f}, each distinct image once "
           f"{d['distinct']:.2f}")
     p = bench_shared_prefix()
     print(f"update of 64 episodes ({p['tokens']} tokens, a {p['prefix']}-token first prompt per "
@@ -462,11 +327,15 @@ def print_core() -> None:
           f"per-tensor loop {1e3 * o['loop']:.1f} ms, fused {1e3 * o['fused']:.1f} ms")
 
 
-def main() -> None:
-    print_core()
-    print_serving()
-    print_ray()
+PARTS = {"core": print_core, "serving": print_serving, "ray": print_ray}
+
+
+def main(argv: list[str]) -> None:
+    for name in argv or list(PARTS):
+        if name not in PARTS:
+            raise SystemExit(f"unknown part {name!r}; choose from {', '.join(PARTS)}")
+        PARTS[name]()
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,6 +1,6 @@
 """What merging the LoRA adapter into bf16 weights costs in sampler/trainer agreement (CPU, bf16).
 
-    OMP_NUM_THREADS=2 .venv/bin/python benchmarks/merge_precision.py     # ~15 s on 2 cores
+    OMP_NUM_THREADS=2 python -m benchmarks.merge_precision     # ~15 s on 2 cores
 
 The fused decode path (`speed.fused_decode`, `policy/fused.py`) folds the adapter into a
 bf16 copy of each weight: W + s B A is rounded once to W's bf16 grid. The trainer (and the
@@ -13,20 +13,13 @@ the tokens where both drew the same token. Small Qwen3-VL shape, bf16, LoRA r8, 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from test_gpu_paths import _prompts, _rollout_like  # noqa: E402
-
-from workbench.model import LoraSettings, add_lora  # noqa: E402
-from workbench.model.presets import build_random  # noqa: E402
-from workbench.policy.engine import TransformersEngine  # noqa: E402
-from workbench.policy.graphs import GraphEngine, make_static_decode  # noqa: E402
+from tests.test_gpu_paths import _prompts, _rollout_like
+from workbench.model import LoraSettings, add_lora
+from workbench.model.presets import build_random
+from workbench.policy.engine import TransformersEngine
+from workbench.policy.graphs import GraphEngine, make_static_decode
 
 
 def logprob_gaps(a_turns: list, b_turns: list) -> list[float]:

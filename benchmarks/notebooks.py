@@ -1,9 +1,9 @@
 """Wall time of every notebook with its committed parameters (only OUT_DIR passed), as CI runs
 them: papermill on a kernel of this interpreter, kernel start included. Prints one line per
-notebook and the median of `--repeats` runs; the issue-15 budget is 30 s each on 2 cores.
+notebook and the median of `--repeats` runs, flagging any over its 30 s budget on 2 cores.
 
-    python benchmarks/notebooks.py                      # all eight, once each
-    python benchmarks/notebooks.py --repeats 3 02_rollouts 03_update
+    python -m benchmarks.notebooks                      # all eight, once each
+    python -m benchmarks.notebooks --repeats 3 02_rollouts 03_update
 
 The pretrained tiny policy (tiny-sft) must be built already (`python -m workbench.rl.pretrained`),
 or the first notebook pays for its build.

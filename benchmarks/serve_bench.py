@@ -4,8 +4,8 @@ spread over the adapters, each a maze image (PNG data URL) and its text, max_tok
 --engine, one after the other: vllm (vLLM's async engine: requests batch) and/or transformers
 (our sampler: one request at a time). One summary line per engine; serve_bench.json in --out.
 
-    python3 benchmarks/serve_bench.py --engine vllm,transformers --out $OUT       # CUDA + vLLM
-    python benchmarks/serve_bench.py --engine transformers --device cpu --requests 6   # CPU dry run
+    python -m benchmarks.serve_bench --engine vllm,transformers --out OUT        # CUDA + vLLM
+    python -m benchmarks.serve_bench --engine transformers --device cpu --requests 6   # a CPU
 
 Nothing is downloaded. --model: "tiny" (the tiny Qwen3-VL, built into --workdir), a checkpoint
 folder, or a shape of workbench.model.presets (random weights, saved to --workdir: vLLM loads from
@@ -33,9 +33,6 @@ import traceback
 import urllib.request
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def parse_args() -> argparse.Namespace:
@@ -66,16 +63,14 @@ def parse_args() -> argparse.Namespace:
 def base_folder(model: str, workdir: Path, device: str) -> str:
     """A checkpoint folder of `model`: the tiny default built locally, a shape's random weights
     saved once, or the folder given."""
-    from vllm_agreement import save_shape
-
     from workbench.model import TINY_NAME, tiny_path
-    from workbench.model.presets import SHAPES
+    from workbench.model.presets import SHAPES, save_random
 
     if model == TINY_NAME:
         return str(tiny_path(root=workdir))
     if model not in SHAPES:
         return model
-    return save_shape(model, workdir / "models" / model, device)  # bf16, as vLLM serves it
+    return save_random(model, workdir / "models" / model, device=device)  # bf16, as vLLM serves
 
 
 def make_adapters(folder: str, n: int, args: argparse.Namespace, workdir: Path) -> str:

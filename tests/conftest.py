@@ -193,7 +193,7 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 #   notebook  runs a notebook (papermill kernel or JupyterLab)
 #   browser   drives chromium through Playwright
 #   gpu       the GPU code paths (CUDA-only tests skip on the CPU)
-# Measured with `pytest --durations=0` per module (issue 14, item 8). A module not listed is fast.
+# Measured with `pytest --durations=0` per module. A module not listed is fast.
 MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_checkpoints": ("slow",),  # every test needs its 2-step training run (module fixture)
     "test_demo": ("slow",),  # the demo end to end, from tiny-sft

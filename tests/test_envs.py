@@ -113,7 +113,7 @@ def test_same_corners_as_visgym() -> None:
 
 
 def test_easy_path_lengths_match_visgym_figure() -> None:
-    # FACTS: on easy seeds 0-63 shortest paths are 12 moves (50 mazes) or 16 moves (14 mazes)
+    # VisGym: on easy seeds 0-63 shortest paths are 12 moves (50 mazes) or 16 moves (14 mazes)
     assert Counter(shortest_path_lengths(eval_set(9))) == {12: 50, 16: 14}
 
 

@@ -76,7 +76,7 @@ def test_8b_preset_config_numbers_and_param_count() -> None:
     assert (v.patch_size, v.spatial_merge_size, v.out_hidden_size) == (16, 2, 4096)
     assert list(v.deepstack_visual_indexes) == [8, 16, 24]
     counts = param_counts(config)
-    # 36 * (4096*128*(2*32 + 2*8) + 3*4096*12288) text matrices; 8.77 B in all (FACTS)
+    # 36 * (4096*128*(2*32 + 2*8) + 3*4096*12288) text matrices; 8.77 B in all
     assert counts["text_linear"] == 36 * (4096 * 128 * 80 + 3 * 4096 * 12288)
     assert abs(counts["total"] / 1e9 - 8.767) < 0.001
     assert lora_param_count(config, 32) == 87_293_952

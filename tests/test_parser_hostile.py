@@ -1,7 +1,7 @@
 """Hostile replies: both grammars parse in bounded time, never raise, and keep feedback short.
 
-Issue 14 item 7 asks for a bounded time per reply, so these tests time parse_action, the one
-exception to "tests don't time things". The bounds are generous (50 ms for a 1 MB reply, which
+A reply must parse in bounded time, so these tests time parse_action, the one exception to
+"tests don't time things". The bounds are generous (50 ms for a 1 MB reply, which
 parses in under 10 ms) and a call over its bound is timed twice more, keeping the fastest, so a
 loaded machine's stall does not fail them; the old quadratic parser took seconds on 80 KB.
 The table at the top pins every accepted and rejected reply shape (docs/maze.md, "Reply shapes").

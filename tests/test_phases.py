@@ -87,7 +87,16 @@ def test_rloo_by_hand() -> None:
     np.testing.assert_allclose(rec.advantages_P_G, dr * 4 / 3, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("estimator", sorted(ADVANTAGES))
+def test_parity_gives_every_group_both_signs_whatever_the_rewards() -> None:
+    flat = np.zeros((2, 4))  # a random-weights model: every reward alike
+    rec = advantages(flat, "parity")
+    assert rec.advantages_P_G.tolist() == [[-1.0, 1.0, -1.0, 1.0], [-1.0, 1.0, -1.0, 1.0]]
+    assert rec.zero_variance_groups == 0 and rec.estimator == "parity"
+    odd = advantages(REWARDS_2x4[:, :3].copy(), "parity").advantages_P_G  # by index p * G + g
+    assert odd.tolist() == [[-1.0, 1.0, -1.0], [1.0, -1.0, 1.0]]
+
+
+@pytest.mark.parametrize("estimator", sorted(set(ADVANTAGES) - {"parity"}))
 def test_zero_variance_groups_are_counted_and_exactly_zero(estimator: str) -> None:
     rewards = np.array([[0.1, 0.1, 0.1, 0.1],  # float mean is not exactly 0.1
                         [1.0, 0.0, 1.0, 1.0],

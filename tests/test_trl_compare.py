@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 
+from benchmarks import trl_compare
 from workbench.envs import DIRECTIONS, MazeConfig, make_maze, oracle_actions
 from workbench.envs.maze import step_pos
 
@@ -17,14 +14,8 @@ CONFIG = MazeConfig(size=7)
 
 @pytest.fixture(scope="module")
 def bench():
-    """The benchmark module, loaded from its file (benchmarks/ is not a package)."""
-    path = Path(__file__).resolve().parent.parent / "benchmarks" / "trl_compare.py"
-    spec = importlib.util.spec_from_file_location("trl_compare", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    """The benchmark module (it imports TRL only inside the functions that run it)."""
+    return trl_compare
 
 
 def test_reward_is_one_exactly_for_the_oracle_move(bench) -> None:

@@ -618,7 +618,7 @@ def test_ray_trainer_worker_starts_no_vllm(fake_vllm: FakeVLLM, tiny_dir: Path,
                                            tmp_path: Path) -> None:
     """A Ray trainer worker of a engine.name=vllm session samples nothing, so it builds no
     vLLM: on one H200 the trainer's own 0.3 share (42 GB) beside the engine actor's ran the
-    seed-shape update out of memory."""
+    8B-shape update out of memory."""
     from workbench.cluster.workers import SamplerEngine, TrainerWorker
 
     spec = SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "t"), dtype="bfloat16",

@@ -1,5 +1,5 @@
 """Group-relative advantage estimators, one function each, picked by name from `ADVANTAGES`
-(`algorithm.advantage`): rewards_P_G in, advantages_P_G out."""
+(`algorithm.advantage`): rewards_P_G in, advantages_P_G out. `parity` is for benchmarks only."""
 
 from __future__ import annotations
 
@@ -27,8 +27,20 @@ def rloo_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
     return rewards_P_G - others_P_G
 
 
+def parity_advantages(rewards_P_G: np.ndarray) -> np.ndarray:
+    """For benchmarks only, never a training signal: -1, +1, -1, ... by the episode's index
+    p * G + g, whatever the rewards. A random-weights model earns the same reward in every
+    episode, so every group would carry no signal and no update would run; with these, every
+    group of G >= 2 holds both signs and the update trains on every episode, the same work as
+    with real signal (`algorithm.advantage=parity`, benchmarks/gpu.py)."""
+    P, G = rewards_P_G.shape
+    index_P_G = np.arange(P * G).reshape(P, G)
+    return np.where(index_P_G % 2 == 1, 1.0, -1.0)
+
+
 ADVANTAGES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "grpo": grpo_advantages,
     "dr_grpo": dr_grpo_advantages,
     "rloo": rloo_advantages,
+    "parity": parity_advantages,
 }

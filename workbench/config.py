@@ -160,7 +160,7 @@ class AlgorithmConfig:
     clip_high: float = 0.2
     """PPO ratio ceiling 1 + clip_high."""
     advantage: str = "grpo"
-    """grpo | dr_grpo | rloo."""
+    """grpo | dr_grpo | rloo | parity (for benchmarks only: +-1 by episode index, no signal)."""
     step_advantage: float = 0.0
     """Weight of GiGPO's step-level advantage added to each turn (0 = plain episode-level
     GRPO): turns taken from the same square within a maze's group are compared by their

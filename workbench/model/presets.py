@@ -8,21 +8,23 @@ heads, head_dim 128, MLP 12288, vocab 151936, M-RoPE sections [24, 20, 20] inter
 5e6, untied lm_head; vision: depth 27, hidden 1152, MLP 4304, 16 heads, patch 16, temporal patch 2,
 spatial merge 2, 2304 position embeddings, out_hidden 4096, deepstack layers [8, 16, 24]), read
 from copies of that file quoted in public repositories (a TensorRT-LLM Qwen3-VL test and a Swift
-test fixture, found with the library search, 2026-11-29).
+test fixture).
 
 Tokenizer: the project's tiny byte-level BPE (a few hundred real tokens, all Qwen special tokens)
 with the model's vocabulary padded to 151936, so the embedding and lm_head have the real size and
 the real rollout code runs (ids above the tiny vocabulary decode to nothing, so a random model's
-replies are unparseable and every episode runs all its turns: the worst case of the seed's shape).
+replies are unparseable and every episode runs all its turns: the longest episodes of the shape).
 The image processor has Qwen3-VL's real settings (patch 16, merge 2, min_pixels 65536), so a
 225 px easy maze becomes 64 image tokens and a 275 px hard maze 81.
 
     lm = load_model("qwen3-vl-8b-shape", dtype=torch.bfloat16, device="cuda")
+    save_random("qwen3-vl-8b-shape", "/tmp/8b-shape")   # a folder, for vLLM
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +54,7 @@ QWEN3_VL_8B = ShapeSpec(
     vocab=151936,
 )
 
-# The same code path at a size a CPU runs in seconds (for dry runs of benchmarks/gpu.py and
+# The same code path at a size a CPU runs in seconds (for CPU runs of benchmarks/gpu.py and
 # tests): real vocabulary and GQA ratio, few and narrow layers.
 QWEN3_VL_SMALL = ShapeSpec(
     spec=replace(QWEN3_VL_8B.spec, hidden=256, layers=2, heads=8, kv_heads=2, head_dim=32,
@@ -138,3 +140,18 @@ def build_random(name: str, dtype: torch.dtype = torch.bfloat16,
     model.generation_config.pad_token_id = tok.token_to_id("<|endoftext|>")
     processor = tiny_processor(shape.spec, fast)
     return LoadedModel(model=model.eval(), processor=processor, source=name, path=name)
+
+
+def save_random(name: str, folder: str | Path, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu") -> str:
+    """The random weights of shape `name` saved as a checkpoint folder, for what loads only from
+    disk (vLLM); a folder that already holds a config.json is kept as it is. -> the folder."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        lm = build_random(name, dtype, device)
+        lm.model.save_pretrained(folder, max_shard_size="5GB")
+        lm.processor.save_pretrained(folder)
+        del lm
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return str(folder)

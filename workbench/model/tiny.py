@@ -21,7 +21,7 @@ policy ignored the image altogether. Merged into one token, the squares reach th
 slots of one vector. Why 8 narrow vision layers: on 9x9 the right move depends on which branch
 dies within a few cells (a 3-cell look-ahead solves 45 of the 64 held-out mazes), and the depth-2
 tower of the 7x7 default stayed at chance on 9x9 single-turn moves after 90,000 images where
-depth 8 reached 68% (docs/benchmarks.md, "What moved the numbers").
+depth 8 reached 68% (benchmarks/RESULTS.md, "What limits the tiny policy").
 """
 
 from __future__ import annotations

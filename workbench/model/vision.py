@@ -3,8 +3,8 @@
 Qwen3-VL's vision tower packs every image's patches into one sequence. Without FlashAttention's
 variable-length kernel (this project uses SDPA), transformers attends image by image: a Python
 loop of one SDPA call per image in each of the tower's layers, after a device-to-host copy of the
-image lengths. An update of 4 seed-shape episodes encodes 60 images: 27 layers x 60 = 1,620 tiny
-attention calls whose launches keep the GPU waiting (benchmarks/RESULTS.md, issue 16).
+image lengths. An update of 4 episodes of the 8B shape encodes 60 images: 27 layers x 60 = 1,620
+tiny attention calls whose launches keep the GPU waiting (benchmarks/RESULTS.md, "The update").
 
 A maze's images all have one size, so the packed sequence is N images x L patches: the same
 attention is one SDPA call over a batch of N. `batch_vision_attention(model)` gives each vision

@@ -2,9 +2,9 @@
 
 Run through transformers and peft, a decode step of the 8B shape is ~3,600 small kernels: seven
 projections a layer, each with peft's LoRA path beside it (a cast to fp32, A, B, scale, add, a
-cast back), unfused RMSNorms and rotary. Replayed as a CUDA graph it still takes ~20 ms at batch
-64, 21% of the bandwidth bound (benchmarks/RESULTS.md, run 4). What a serving engine does instead,
-and what this module does:
+cast back), unfused RMSNorms and rotary. Replayed as a CUDA graph it still takes ~19 ms at batch
+64, 23% of the bandwidth bound (benchmarks/RESULTS.md, "The sampler"). What a serving engine
+does instead, and what this module does:
 
 - **merged LoRA**: each projection's adapter is folded into a sampler-side copy of its weight
   (W + scale B A, rounded once to the model dtype) whenever the sampler's weights version changes

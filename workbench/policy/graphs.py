@@ -1,8 +1,8 @@
 """Decode steps replayed as CUDA graphs over a KV pool that lives as long as the engine.
 
 The eager sampler (`policy.sampler`) launches every kernel of a one-token step from Python: for an
-8B model that is thousands of launches, and the GPU waits on Python (FACTS: ~77 ms a step, 5% of
-the bandwidth bound). Here a step reads only fixed-address buffers, so it is captured once and
+8B model that is thousands of launches, and the GPU waits on Python (~77 ms a step, 5% of the
+bandwidth bound). Here a step reads only fixed-address buffers, so it is captured once and
 replayed:
 
 - the KV cache is a pool of `PoolLayer`s (rows x capacity, allocated once, kept across rollouts;

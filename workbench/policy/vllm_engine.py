@@ -179,7 +179,7 @@ def model_max_len(config: Any) -> int:
 
 
 DEFAULT_MAX_LEN = 16384
-"""vLLM's context when none is set: a seed-shape episode (15 turns) holds about 2,500 tokens,
+"""vLLM's context when none is set: an 8B-shape episode (15 turns) holds about 2,500 tokens,
 and vLLM refuses to start unless one request of max_model_len fits its KV share."""
 
 

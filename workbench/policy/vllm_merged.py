@@ -3,8 +3,8 @@
 With `adapter` (the default) vLLM runs its LoRA kernels beside every projection, and each weights
 version reaches it as a PEFT folder. With `merged`, vLLM is built without LoRA, and each weights
 version is pushed into its copy of the text weights as W + scale * B @ A: the same projections
-the base model runs, no LoRA kernels in the decode or prefill. On one H200 at the seed's shape
-that is vLLM's own loop without its LoRA cost (benchmarks/RESULTS.md, issue 16).
+the base model runs, no LoRA kernels in the decode or prefill. On one H200 at the 8B shape that
+is vLLM's own loop without its LoRA cost (benchmarks/RESULTS.md, "The sampler").
 
 How a version travels (same GPU):
 1. `merged_weights(model, tensors)`: for every LoRA linear of the peft model, its HF checkpoint

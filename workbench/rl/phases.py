@@ -247,8 +247,8 @@ def advantages(rewards_P_G: np.ndarray, estimator: str = "grpo",
         hint = ": pass score(ro).rewards_P_G" if isinstance(rewards_P_G, ScoreRecord) else ""
         raise TypeError(f"advantages takes rewards_P_G, a (P, G) numpy array, not "
                         f"{type(rewards_P_G).__name__}{hint}")
-    flat_P = np.all(rewards_P_G == rewards_P_G[:, :1], axis=1)
     adv_P_G = ADVANTAGES[estimator](rewards_P_G)
+    flat_P = np.all(adv_P_G == adv_P_G[:, :1], axis=1)  # no signal: equal rewards (not parity)
     adv_P_G[flat_P] = 0.0
     record = AdvantageRecord(adv_P_G, int(flat_P.sum()), estimator)
     if step_weight > 0:

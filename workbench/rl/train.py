@@ -6,7 +6,9 @@ exact resume.
 Every step: new sampling client from the current weights -> rollout of P mazes x G episodes
 (mazes and sampling seed are functions of the step, so a resumed run sees the same data) ->
 score -> group advantages -> datums -> one update (none when no datum carries signal: the loop
-says why, once) -> metrics.jsonl; the loop ends on a "GRPO steps: N/N in S s" line. A full
+says why, once) -> metrics.jsonl, with the step's phases timed (time/step, time/rollout,
+time/update, time/weight_sync, time/rollout_wait; time/eval on evaluation rows); the loop ends on
+a "GRPO steps: N/N in S s" line. A full
 checkpoint holds the weights, optimiser, step and RNG states; `trainer.resume_mode=latest`
 continues from the newest complete one and reproduces an uninterrupted run bit for bit on CPU.
 """
@@ -220,6 +222,7 @@ def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
         "rollout/groups_sampled": len(sampled_P_G),
         "rollout/reply_tokens_mean": float(np.mean(  # model rollouts: every episode has a stream
             [sum(cast(Stream, ep.stream).loss_mask_T) for ep in flat])),
+        "rollout/tokens_mean": float(np.mean([len(cast(Stream, ep.stream)) for ep in flat])),
         "rollout/entropy": ro.reply_entropy(),
         "rollout/zero_variance_groups": adv.zero_variance_groups,
         "rollout/zero_variance_frac": adv.zero_variance_groups / len(ro.episodes_P_G),
@@ -374,7 +377,7 @@ def _eval_logged(run_dir: Path, step: int) -> bool:
 
 
 def _log_eval(trainer: Trainer, record: phases.EvalRecord, log: Any) -> None:
-    row: dict[str, Any] = {"step": trainer.step}
+    row: dict[str, Any] = {"step": trainer.step, "time/eval": record.seconds}
     for r in record.results:
         log(f"eval step {trainer.step}: {r.mode} {r.solved:.1f}/{r.n_mazes} "
             f"(ceiling {r.ceiling}/{r.n_mazes}), mean turns {r.mean_turns:.2f}")

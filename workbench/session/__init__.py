@@ -1,4 +1,4 @@
-"""Training-session primitives (seed 003's programming model): futures over a live policy.
+"""Training-session primitives (Tinker's programming model): futures over a live policy.
 
     session = open_session(SessionSpec(model="tiny-sft"))   # workbench.opener
 

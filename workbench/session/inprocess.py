@@ -1,4 +1,4 @@
-"""The training-session primitives (seed 003 / Tinker's shape), in-process backend.
+"""The training-session primitives (Tinker's shape), in-process backend.
 
     session = create_session(SessionSpec(model="tiny", lora=LoraSettings(rank=8)))
     tc = session.training_client

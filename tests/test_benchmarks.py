@@ -1,0 +1,66 @@
+"""The benchmarks time the product's own step: `benchmarks.gpu` on the CPU with the tiny model,
+the timings `python -m workbench train` logs for it, and the scaling fit's arithmetic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu, scale
+from workbench.config import PRESETS, apply_overrides
+from workbench.loggers import read_metrics
+
+SMALL = ["--model", "tiny", "--device", "cpu", "--mazes", "2", "--group", "2", "--turns", "2"]
+
+
+def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> None:
+    lines: list[str] = []
+    summary = gpu.bench([*SMALL, "--steps", "1", "--eval", "--decode", "3", "--workdir",
+                         str(tmp_path), "--out", str(tmp_path / "summary.json"),
+                         "eval.n_mazes=2", "eval.sampled_passes=0"], log=lines.append)
+    assert summary["steps"] == 1 and summary["config"]["engine"] == "transformers"
+    assert len([ln for ln in lines if ln.startswith("step ")]) == 2  # the warm-up step, then 1
+    phases = [summary[k] for k in ("rollout_s", "update_s", "weight_sync_s", "step_s")]
+    assert all(s > 0 for s in phases) and summary["step_s"] >= summary["rollout_s"]
+    assert summary["update_tokens_per_s"] > 0 and summary["turns_mean"] == 2.0
+    assert summary["eval_s"] > 0 and summary["decode"]["rows"] == 4
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(r["update/datums"] == 4 for r in rows)  # parity: every episode trained
+    assert (tmp_path / "summary.json").is_file()
+
+
+def test_off_policy_needs_a_warm_up_step(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        gpu.parse([*SMALL, "--off-policy", "--warmup", "0"])
+    assert "--off-policy needs --warmup >= 1" in capsys.readouterr().err
+
+
+def test_train_logs_the_phases_and_evaluation_times(tmp_path: Path) -> None:
+    from workbench.rl.train import train
+
+    config = apply_overrides(PRESETS["tiny"], [
+        "model.name=tiny", "trainer.total_steps=1", "trainer.train_batch_size=2",
+        "generator.n_samples_per_prompt=2", "generator.max_turns=2", "eval.n_mazes=2",
+        "eval.sampled_passes=0", "algorithm.advantage=parity", "trainer.ckpt_interval=0",
+        "trainer.hf_save_interval=0", f"run_dir={tmp_path}"])
+    train(config, log=lambda *_: None)
+    rows = read_metrics(tmp_path)
+    evals, steps = [r for r in rows if "eval/n_mazes" in r], [r for r in rows if "time/step" in r]
+    assert [r["step"] for r in evals] == [0, 1] and all(r["time/eval"] > 0 for r in evals)
+    (step,) = steps
+    assert all(step[k] >= 0 for k in gpu.PHASES) and step["update/datums"] == 4
+    assert step["rollout/tokens_mean"] > step["rollout/reply_tokens_mean"] > 0
+
+
+def test_the_turns_fit_of_a_line_and_of_a_square() -> None:
+    line = scale.fit_linear([5, 10, 15], [12.0, 22.0, 32.0])  # 2 + 2 t
+    assert line["a"] == pytest.approx(2.0) and line["b"] == pytest.approx(2.0)
+    assert line["max_residual_frac"] == pytest.approx(0.0, abs=1e-12)
+    assert line["increment_ratio"] == pytest.approx(1.0) and line["marginal"] == [2.0, 2.0]
+    assert line["quad_share_at_last"] == pytest.approx(0.0, abs=1e-12)
+    square = scale.fit_linear([5, 10, 15], [25.0, 100.0, 225.0])  # t^2
+    assert square["increment_ratio"] == pytest.approx(5 / 3)
+    assert square["ratio_last_first"] == pytest.approx(9.0)
+    assert square["quad_share_at_last"] == pytest.approx(1.0)
