@@ -130,8 +130,8 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
                            "update_tokens_s")}
     for r in range(repeats):
         sampler = tc.save_weights_and_get_sampling_client()
-        ro = phases.rollout(sampler, config.maze, step_mazes(config, r + 1), 8,
-                            SamplingParams(max_tokens=2, temperature=1.0), seed=r)
+        ro = phases.rollout(sampler, phases.Batch(config.task, step_mazes(config, r + 1), 8,
+                                                  SamplingParams(max_tokens=2), seed=r))
         t0 = time.perf_counter()
         sc = phases.score(ro)
         t1 = time.perf_counter()
@@ -139,10 +139,10 @@ def bench_grpo_step(repeats: int = 3) -> dict[str, float]:
         t2 = time.perf_counter()
         datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
                   for k, ep in enumerate(ro.flat)]
-        up = phases.update(tc, datums, "ppo", LossConfig(reduction="token_mean"),
-                           AdamParams(learning_rate=1e-4))
-        ev = phases.evaluate(sampler, config.maze, eval_set(9, 64), greedy=True,
-                             sampled_passes=0, max_tokens=2)
+        up = phases.update(tc, datums, phases.UpdateSettings(
+            "ppo", LossConfig(reduction="token_mean"), AdamParams(learning_rate=1e-4)))
+        ev = phases.evaluate(sampler, phases.Batch(config.task, eval_set(9, 64), 0,
+                                                   SamplingParams(max_tokens=2), seed=12345))
         sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
         tokens = sum(len(d.stream) for d in datums)
         for key, value in (("rollout", ro.seconds), ("score", t1 - t0), ("advantages", t2 - t1),
@@ -168,8 +168,8 @@ def _update_batch():
     session = create_session(SessionSpec("tiny", config.lora.settings,
                                          workdir="/tmp/workbench-bench"))
     sampler = session.training_client.save_weights_and_get_sampling_client()
-    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    ro = phases.rollout(sampler, phases.Batch(config.task, step_mazes(config, 1), 8,
+                                              SamplingParams(max_tokens=2), seed=0))
     datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
     return session, datums
 
@@ -179,8 +179,8 @@ def _update(tc, datums):
     from workbench.rl import phases
     from workbench.session import AdamParams, LossConfig
 
-    return phases.update(tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
-                         AdamParams(learning_rate=1e-6))
+    return phases.update(tc, datums, phases.UpdateSettings(
+        "ppo", LossConfig(reduction="sequence_mean"), AdamParams(learning_rate=1e-6)))
 
 
 def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
@@ -399,8 +399,8 @@ def bench_ray(steps: int = 3, threads: int = 2) -> dict[str, float]:
             s = create_ray_session(SessionSpec("tiny", workdir=str(tmp / f"e{engines}"),
                                                cluster=cluster))
             sampler = s.training_client.save_weights_and_get_sampling_client()
-            phases.rollout(sampler, config.maze, states, 8, params, seed=0)  # warm-up
-            ros = [phases.rollout(sampler, config.maze, states, 8, params, seed=r + 1)
+            phases.rollout(sampler, phases.Batch(config.task, states, 8, params, 0))  # warm-up
+            ros = [phases.rollout(sampler, phases.Batch(config.task, states, 8, params, r + 1))
                    for r in range(3)]
             s.close()
             seconds = statistics.median(ro.seconds for ro in ros)

@@ -437,8 +437,8 @@ def update_datums(session: Session, args: Any) -> tuple[list, LossConfig]:
     summed loss that forward_backward calls over slices of them take."""
     sampler = session.training_client.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
-    ro = phases.rollout(sampler, seed_config(args), eval_set(9, args.mazes), args.group, params,
-                        99)
+    ro = phases.rollout(sampler, phases.Batch(seed_config(args), eval_set(9, args.mazes),
+                                              args.group, params, 99))
     datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0)
               for k, ep in enumerate(ro.flat)]
     loss = LossConfig(reduction="sequence_mean")
@@ -516,8 +516,8 @@ def grpo_step(session: Session, config: MazeConfig, P: int, G: int, max_tokens: 
     reset_peak(device)
     session.speed_metrics().result()  # vLLM's counters from here on
     with GpuBusy(device) as roll_busy:
-        ro, s_roll = timed(lambda: phases.rollout(sampler, config, states, G, params, seed),
-                           device)
+        ro, s_roll = timed(lambda: phases.rollout(sampler, phases.Batch(config, states, G, params,
+                                                                        seed)), device)
     sampler_peak = peak_gb(device)
     inside_s = session.speed_metrics().result().get("vllm/generate_s", float("nan"))
     sc, s_score = timed(lambda: phases.score(ro), device)

@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> dict:
     model = run_sft(config, log=lambda *_: None)
     result = {"args": vars(args), "sft_seconds": round(time.perf_counter() - start, 1),
               "params": sum(p.numel() for p in load_model(str(model)).model.parameters()),
-              **evaluate(model, config.maze, args.passes, args.device)}
+              **evaluate(model, config.task, args.passes, args.device)}
     if args.probes:
-        result |= {"single_turn_accuracy": single_turn_accuracy(model, config.maze, args.device),
-                   "greedy_when_the_image_lies": blind_probe(model, config.maze, args.device)}
+        result |= {"single_turn_accuracy": single_turn_accuracy(model, config.task, args.device),
+                   "greedy_when_the_image_lies": blind_probe(model, config.task, args.device)}
     print(json.dumps(result), flush=True)
     return result
 

@@ -118,7 +118,7 @@ def make_spec(args: argparse.Namespace, workdir: Path, cluster: ClusterSpec) -> 
 
 def maze(args: argparse.Namespace, turns: int | None = None) -> MazeConfig:
     """The seed's easy 9x9 mazes at 25 px (VisGym's tuple grammar and reward)."""
-    return replace(run_config(args).maze, max_turns=turns or args.turns)
+    return replace(run_config(args).task, max_turns=turns or args.turns)
 
 
 # ------------------------------------------------------------------------------------ one step
@@ -149,8 +149,8 @@ def grpo_step(session: Any, args: argparse.Namespace, seed: int, turns: int | No
     sampler = session.training_client.save_weights_and_get_sampling_client()
     t.append(time.perf_counter())
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
-    ro = phases.rollout(sampler, maze(args, turns), eval_set(9, args.mazes), args.group, params,
-                        seed)
+    ro = phases.rollout(sampler, phases.Batch(maze(args, turns), eval_set(9, args.mazes),
+                                              args.group, params, seed))
     t.append(time.perf_counter())
     sc = phases.score(ro)
     phases.advantages(sc.rewards_P_G, "grpo")
@@ -275,7 +275,8 @@ def compare_datums(session: Any, args: argparse.Namespace) -> list[Datum]:
     """args.compare datums of a 2-turn rollout (every 4th episode: several mazes)."""
     sampler = session.training_client.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
-    ro = phases.rollout(sampler, maze(args, 2), eval_set(9, args.mazes), args.group, params, 7)
+    ro = phases.rollout(sampler, phases.Batch(maze(args, 2), eval_set(9, args.mazes), args.group,
+                                              params, 7))
     return parity_datums(ro.flat[::4])[:args.compare]
 
 
@@ -490,7 +491,8 @@ def pipelined_steps(session: Any, args: argparse.Namespace, steps: int, ahead: b
     states = eval_set(9, args.mazes)
 
     def start(sampler: Any, seed: int) -> phases.PendingRollout:
-        return phases.start_rollout(sampler, maze(args), states, args.group, params, seed)
+        return phases.start_rollout(sampler, phases.Batch(maze(args), states, args.group, params,
+                                                          seed))
 
     pending, rows = None, []
     device = torch.device("cpu" if on_ray(session) else args.device)  # cpu: no busy figures

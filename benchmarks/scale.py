@@ -108,12 +108,12 @@ def grpo_step(tc: Any, config: Any, step: int) -> StepTiming:
     t0 = time.perf_counter()
     sampler = tc.save_weights_and_get_sampling_client()
     t1 = time.perf_counter()
-    ro = phases.rollout(sampler, config.maze, step_mazes(config, step),
-                        config.generator.n_samples_per_prompt,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=step)
+    ro = phases.rollout(sampler, phases.Batch(config.task, step_mazes(config, step),
+                                              config.generator.n_samples_per_prompt,
+                                              SamplingParams(max_tokens=2), seed=step))
     datums = [datum_from_stream(ep.stream, 1.0 if k % 2 else -1.0) for k, ep in enumerate(ro.flat)]
-    up = phases.update(tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
-                       AdamParams(learning_rate=1e-4))
+    up = phases.update(tc, datums, phases.UpdateSettings(
+        "ppo", LossConfig(reduction="sequence_mean"), AdamParams(learning_rate=1e-4)))
     t2 = time.perf_counter()
     turns_E = [ep.turns for ep in ro.flat]
     streams_E = [ep.stream for ep in ro.flat]

@@ -108,8 +108,8 @@ def bench_rollout(session: Any, args: Any, device: torch.device) -> dict[str, An
     session.speed_metrics().result()  # counters from here on
     runs = []
     for r in range(1 + args.repeats):
-        ro, s = gpu.timed(lambda r=r: phases.rollout(sampler, config, states, args.group,
-                                                     params, 100 + r), device)
+        ro, s = gpu.timed(lambda r=r: phases.rollout(sampler, phases.Batch(
+            config, states, args.group, params, 100 + r)), device)
         sampled = sum(sum(ep.stream.loss_mask_T) for ep in ro.flat)
         turns = sum(ep.turns for ep in ro.flat)
         metrics = session.speed_metrics().result()  # this rollout's (vLLM: cache, generate_s)

@@ -62,7 +62,7 @@ def main() -> None:
     if not model:
         save_shape(args.shape, Path(args.folder))
         model = args.folder
-    maze = PRESETS["seed_gpu"].maze
+    maze = PRESETS["seed_gpu"].task
     spec = SessionSpec(model, LoraSettings(rank=args.rank, alpha=2 * args.rank),
                        workdir="/tmp/vllm-agreement", device="cuda", dtype="bfloat16",
                        engine=EngineSettings("vllm", gpu_memory_utilization=args.memory))

@@ -60,7 +60,7 @@ def main() -> None:
         runs, turns = [], 0
         for r in range(4):  # the first warms up
             start = time.perf_counter()
-            ro = phases.rollout(sampler, config, states, 8, params, r)
+            ro = phases.rollout(sampler, phases.Batch(config, states, 8, params, r))
             runs.append(time.perf_counter() - start)
             turns = sum(ep.turns for ep in ro.flat)
         timed = ", ".join(f"{s:.2f}" for s in runs[1:])
