@@ -97,8 +97,8 @@ def _update(tc, datums):
     from workbench.rl import phases
     from workbench.session import AdamParams, LossConfig
 
-    return phases.update(tc, datums, "ppo", LossConfig(reduction="sequence_mean"),
-                         AdamParams(learning_rate=1e-6))
+    return phases.update(tc, datums, phases.UpdateSettings(
+        "ppo", LossConfig(reduction="sequence_mean"), AdamParams(learning_rate=1e-6)))
 
 
 def bench_distinct_images(repeats: int = 3) -> dict[str, float]:

@@ -184,12 +184,13 @@ def test_tiny_preset_is_the_default() -> None:
     assert PRESETS["tiny"] == RunConfig()
 
 
-def test_maze_takes_the_generators_turn_budget() -> None:
+def test_task_takes_the_generators_turn_budget() -> None:
     cfg = RunConfig()
-    assert cfg.maze == MazeConfig(size=9, px_per_cell=16, grammar="keyword", max_turns=15,
+    assert cfg.env.task == "maze"
+    assert cfg.task == MazeConfig(size=9, px_per_cell=16, grammar="keyword", max_turns=15,
                                   reward="reach_goal", format_weight=0.0, observation="image")
-    assert cfg.maze.max_turns == cfg.generator.max_turns
-    assert apply_overrides(cfg, ["generator.max_turns=6"]).maze.max_turns == 6
+    assert cfg.task.max_turns == cfg.generator.max_turns
+    assert apply_overrides(cfg, ["generator.max_turns=6"]).task.max_turns == 6
 
 
 def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
@@ -197,12 +198,12 @@ def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
     assert cfg.model.name == "Qwen/Qwen3-VL-8B-Instruct"
     assert (cfg.lora.rank, cfg.lora.alpha) == (32, 64)
     assert cfg.generator.n_samples_per_prompt == 8
-    assert cfg.generator.max_turns == 15 and cfg.maze.max_turns == 15
+    assert cfg.generator.max_turns == 15 and cfg.task.max_turns == 15
     assert cfg.generator.temperature == 0.7
     assert (cfg.trainer.ckpt_interval, cfg.trainer.hf_save_interval) == (20, 20)
     assert cfg.trainer.eval_interval == 10
     assert cfg.eval.n_mazes == 64
-    assert cfg.env.size == 9 and cfg.maze.size == 9
+    assert cfg.env.size == 9 and cfg.task.size == 9
     assert (cfg.env.px_per_cell, cfg.env.grammar, cfg.env.reward) == (25, "tuple", "stop_on_goal")
     assert cfg.env.format_weight == 0.2  # reward 0.8 task + 0.2 format
     assert cfg.sft.full_finetune is False

@@ -16,11 +16,12 @@ import pytest
 from workbench.cli import main
 from workbench.config import PRESETS, RunConfig, apply_overrides, to_dict
 from workbench.envs import MazeConfig, eval_set
+from workbench.envs.tasks import oracle_policy
 from workbench.model.load import hub_offline, hub_reachable
 from workbench.policy import SamplingParams
 from workbench.rl import phases
 from workbench.rl.replay import step_list
-from workbench.rl.rollout import oracle_policy, play_scripted
+from workbench.rl.rollout import play_scripted
 from workbench.rl.train import train
 from workbench.run import read_metrics
 from workbench.session import AdamParams, LossConfig, SessionSpec, create_session
@@ -177,7 +178,12 @@ def test_step_lists_are_short() -> None:
 
 def test_phases_name_what_they_take() -> None:
     with pytest.raises(TypeError, match=r"states_P must be initial states .* not ints such as 0"):
-        phases.rollout(None, MazeConfig(size=5), [0, 1], 2, SamplingParams(), 0)  # type: ignore
+        phases.Batch(MazeConfig(size=5), [0, 1], 2, SamplingParams(), 0)
+    with pytest.raises(TypeError, match=r"states_P must be initial states .* not MazeConfig"):
+        phases.Batch(MazeConfig(size=5), MazeConfig(), 2, SamplingParams(), 0)  # type: ignore
+    with pytest.raises(TypeError, match=r"^rollout takes a Batch, not MazeConfig: pass "
+                                        r"schedule.step_batch\(config, step\)"):
+        phases.rollout(None, MazeConfig(size=5))  # type: ignore[arg-type]
     eps = play_scripted(oracle_policy, MazeConfig(size=5, max_turns=4), eval_set(5, 2), 2)
     record = phases.RolloutRecord(eps, SamplingParams(), 0, 0.0)
     scored = phases.score(record)
@@ -198,19 +204,26 @@ def test_phases_name_what_they_take() -> None:
         phases.datum_index(record, scored)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^update takes datums, a list of Datum, not "
                                         r"RolloutRecord: pass make_datums\(ro, adv\)"):
-        phases.update(_NoClient(), record, "ppo", LossConfig(), ADAM)  # type: ignore[arg-type]
+        phases.update(_NoClient(), record)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"not a list holding Episode: pass make_datums"):
-        phases.update(_NoClient(), eps[0], "ppo", LossConfig(), ADAM)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"^update takes adam, an AdamParams, not float: pass "
-                                        r"AdamParams\(learning_rate=3e-4\)"):
-        phases.update(_NoClient(), [], "ppo", LossConfig(), 3e-4)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"^update takes loss_cfg, a LossConfig, not str"):
-        phases.update(_NoClient(), [], "ppo", "ppo", ADAM)  # type: ignore[arg-type]
+        phases.update(_NoClient(), eps[0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^update takes settings, an UpdateSettings, not str: "
+                                        r"pass UpdateSettings\("):
+        phases.update(_NoClient(), [], "ppo")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^UpdateSettings takes adam, an AdamParams, not float: "
+                                        r"pass AdamParams\(learning_rate=3e-4\)"):
+        phases.UpdateSettings("ppo", LossConfig(), 3e-4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^UpdateSettings takes loss, a LossConfig, not str"):
+        phases.UpdateSettings("ppo", "ppo", ADAM)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^UpdateSettings takes loss_fn, a loss name such as "
+                                        r"\"ppo\", not int"):
+        phases.UpdateSettings(0)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^update takes a training client first \(session\."
                                         r"training_client\), not list"):
-        phases.update([], [], "ppo", LossConfig(), ADAM)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match=r"states_P must be initial states .* not ints such as 3"):
-        phases.evaluate(None, MazeConfig(size=5), [3, 4])  # type: ignore[arg-type]
+        phases.update([], [])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^evaluate takes a Batch, not MazeConfig: pass "
+                                        r"schedule.eval_batch\(config\)"):
+        phases.evaluate(None, MazeConfig(size=5))  # type: ignore[arg-type]
 
 
 ADAM = AdamParams(learning_rate=0.01)
@@ -229,7 +242,7 @@ class _NoClient:
 def test_an_update_without_datums_warns_and_makes_no_call() -> None:
     with pytest.warns(RuntimeWarning, match=r"^update skipped: 0 datums, so no forward_backward "
                                             "and no optimiser step"):
-        up = phases.update(_NoClient(), [], "ppo", LossConfig(), ADAM)
+        up = phases.update(_NoClient(), [], phases.UpdateSettings(adam=ADAM))
     assert (up.datums, up.metrics, up.learning_rate) == (0, {}, 0.01)
     assert repr(up) == "UpdateRecord(skipped: 0 datums, lr 0.01)"
 

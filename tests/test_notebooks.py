@@ -1,6 +1,6 @@
 """The notebooks: committed clean, run by papermill with their committed parameters (only
 OUT_DIR passed) on a kernel of this environment, their recorded metrics asserted (each
-notebook's last cell writes them with workbench.notebook.record_metrics), their pictures kept
+notebook's last cell writes them with workbench.notebook_checks.record_metrics), their pictures kept
 in the saved notebook; and one run in a real browser (JupyterLab + Debian's
 chromium driven by Playwright).
 
@@ -25,7 +25,7 @@ import nbformat
 import pytest
 
 from workbench.envs import eval_set, oracle_ceiling, shortest_path_lengths
-from workbench.notebook import read_recorded
+from workbench.notebook_checks import read_recorded
 from workbench.rl import FAILURE_REASONS
 from workbench.serve.deploy import free_port
 

@@ -10,13 +10,16 @@ import pytest
 import torch
 
 from workbench.envs import InitState, MazeConfig, eval_set, oracle_ceiling, shortest_path_lengths
+from workbench.envs.tasks import oracle_policy
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.rl import Episode, play_model, play_scripted
 from workbench.rl.phases import (
     ADVANTAGES,
     REWARD_FNS,
     AdvantageRecord,
+    Batch,
     RolloutRecord,
+    UpdateSettings,
     advantages,
     evaluate,
     make_datums,
@@ -24,7 +27,7 @@ from workbench.rl.phases import (
     score,
     update,
 )
-from workbench.rl.rollout import oracle_policy, play_episodes
+from workbench.rl.rollout import play_episodes
 from workbench.rl.sft import scripted_stream
 from workbench.session import (
     AdamParams,
@@ -341,7 +344,7 @@ def test_rollout_wraps_the_sampler() -> None:
     sampler = ScriptedSampler()
     params = SamplingParams(max_tokens=2, temperature=0.5)
     cfg = MazeConfig(size=5, max_turns=4)
-    record = rollout(sampler, cfg, eval_set(5, 3), n=2, params=params, seed=11)
+    record = rollout(sampler, Batch(cfg, eval_set(5, 3), G=2, params=params, seed=11))
     assert sampler.calls == [(2, params, 11)]
     assert (record.params, record.seed) == (params, 11)
     assert [len(g) for g in record.episodes_P_G] == [2, 2, 2]
@@ -373,7 +376,7 @@ def test_update_minibatches_then_steps_once(streams) -> None:
     trainer = FakeTrainer([out_a, out_b])
     datums = [datum_from_stream(s, 1.0) for s in streams[:3]]
     cfg, adam = LossConfig(reduction="sum"), AdamParams(learning_rate=0.01)
-    rec = update(trainer, datums, "ppo", cfg, adam, minibatch=2)
+    rec = update(trainer, datums, UpdateSettings("ppo", cfg, adam, minibatch=2))
     assert trainer.calls == [("fb", 2, "ppo", cfg), ("fb", 1, "ppo", cfg), ("opt", adam)]
     assert rec.datums == 3 and rec.grad_norm == 0.25 and rec.learning_rate == 0.01
     assert rec.metrics["loss"] == pytest.approx(0.5)
@@ -392,7 +395,8 @@ def test_update_mini_batches_and_epochs_step_the_optimizer_each_time(streams) ->
     trainer = FakeTrainer([out(1.0), out(3.0), out(5.0), out(7.0)])
     datums = [datum_from_stream(s, 1.0) for s in streams]
     cfg, adam = LossConfig(reduction="sequence_mean"), AdamParams(learning_rate=0.01)
-    rec = update(trainer, datums, "ppo", cfg, adam, minibatch=16, mini_batches=2, epochs=2)
+    rec = update(trainer, datums, UpdateSettings("ppo", cfg, adam, minibatch=16, mini_batches=2,
+                                                 epochs=2))
     summed = LossConfig(reduction="sum")
     assert trainer.calls == [("fb", 2, "ppo", summed), ("opt", adam)] * 4
     assert rec.metrics["loss"] == pytest.approx(4.0)  # the mean over the 4 optimizer steps
@@ -409,8 +413,8 @@ def test_mini_batches_take_their_own_sequence_mean(streams) -> None:
     sent = []
     trainer.forward_backward = lambda part, loss_fn, cfg: (sent.append(part), _done(
         trainer.outs.pop(0)))[1]
-    update(trainer, datums, "ppo", LossConfig(reduction="sequence_mean"),
-           AdamParams(learning_rate=0.01), mini_batches=2)
+    update(trainer, datums, UpdateSettings("ppo", LossConfig(reduction="sequence_mean"),
+                                           AdamParams(learning_rate=0.01), mini_batches=2))
     assert sent == [global_weights(datums[:2], "sequence_mean"),
                     global_weights(datums[2:], "sequence_mean")]
     for part in sent:  # each mini-batch's weights sum to 1: its own sequence mean
@@ -420,7 +424,7 @@ def test_mini_batches_take_their_own_sequence_mean(streams) -> None:
 def test_update_without_datums_does_nothing() -> None:
     trainer = FakeTrainer([])
     with pytest.warns(RuntimeWarning, match="update skipped: 0 datums"):
-        rec = update(trainer, [], "ppo", LossConfig(), AdamParams(learning_rate=0.02))
+        rec = update(trainer, [], UpdateSettings(adam=AdamParams(learning_rate=0.02)))
     assert trainer.calls == []
     assert (rec.metrics, rec.grad_norm, rec.learning_rate, rec.datums) == ({}, 0.0, 0.02, 0)
 
@@ -433,8 +437,8 @@ def test_evaluate_oracle_reaches_the_ceiling() -> None:
     states = eval_set(5, 4)
     assert shortest_path_lengths(states) == [4, 4, 4, 4]
     sampler = ScriptedSampler()
-    ev = evaluate(sampler, cfg, states, name="oracle", greedy=True, sampled_passes=2,
-                  temperature=0.7, max_tokens=3, seed=9)
+    batch = Batch(cfg, states, G=2, params=SamplingParams(max_tokens=3, temperature=0.7), seed=9)
+    ev = evaluate(sampler, batch, name="oracle", greedy=True)
     assert sampler.calls == [(1, SamplingParams(max_tokens=3, temperature=0.0), 9),
                              (2, SamplingParams(max_tokens=3, temperature=0.7), 9)]
     assert [r.mode for r in ev.results] == ["greedy", "sampled"]
@@ -448,13 +452,13 @@ def test_evaluate_oracle_reaches_the_ceiling() -> None:
 
 
 def test_evaluate_oracle_stop_rule_needs_one_more_turn() -> None:
-    states = eval_set(5, 3)
-    short = evaluate(ScriptedSampler(), MazeConfig(size=5, max_turns=4, reward="stop_on_goal"),
-                     states, greedy=True, sampled_passes=0)
+    states, params = eval_set(5, 3), SamplingParams()
+    four, five = (MazeConfig(size=5, max_turns=t, reward="stop_on_goal") for t in (4, 5))
+    short = evaluate(ScriptedSampler(), Batch(four, states, G=0, params=params, seed=0))
     assert [r.mode for r in short.results] == ["greedy"]
     assert short.results[0].solved == short.results[0].ceiling == 0
-    enough = evaluate(ScriptedSampler(), MazeConfig(size=5, max_turns=5, reward="stop_on_goal"),
-                      states, greedy=False, sampled_passes=1)
+    enough = evaluate(ScriptedSampler(), Batch(five, states, G=1, params=params, seed=0),
+                      greedy=False)
     assert [r.mode for r in enough.results] == ["sampled"]
     assert enough.results[0].solved == enough.results[0].ceiling == 3
     assert enough.results[0].mean_turns == 5.0

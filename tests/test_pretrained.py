@@ -4,6 +4,7 @@ from a first GRPO step (the reason it exists)."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -55,17 +56,14 @@ def test_the_name_resolves_to_the_cached_build(tiny_sft_dir: Path, workbench_cac
 def test_first_grpo_step_from_it_has_reward_variance(tiny_sft_dir: Path, tmp_path: Path) -> None:
     from workbench.opener import open_session, session_spec
     from workbench.rl import phases
-    from workbench.rl.schedule import step_mazes
+    from workbench.rl.schedule import step_batch
 
     config = apply_overrides(PRESETS["tiny"], ["trainer.train_batch_size=4",
                                                "generator.n_samples_per_prompt=4"])
     session = open_session(session_spec(config, tmp_path))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
-        from workbench.policy import SamplingParams
-
-        ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 4,
-                            SamplingParams(max_tokens=4, temperature=1.0), seed=0)
+        ro = phases.rollout(sampler, replace(step_batch(config, 1), seed=0))
     finally:
         session.close()
     rewards_P_G = phases.score(ro).rewards_P_G

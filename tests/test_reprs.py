@@ -5,6 +5,7 @@ Built from a real rollout of the random tiny model."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +13,11 @@ import numpy as np
 import pytest
 
 from workbench.envs import MazeConfig, eval_set
+from workbench.envs.tasks import oracle_policy
 from workbench.model import LoraSettings
 from workbench.policy import SamplingParams
 from workbench.rl import phases
-from workbench.rl.rollout import oracle_policy, play_scripted
+from workbench.rl.rollout import play_scripted
 from workbench.session import AdamParams, LossConfig, SessionSpec, create_session
 
 SMALL = MazeConfig(size=5, max_turns=3)
@@ -30,20 +32,24 @@ def records(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                                          workdir=str(tmp_path_factory.mktemp("reprs"))))
     tc = session.training_client
     sampler = tc.save_weights_and_get_sampling_client()
-    ro = phases.rollout(sampler, SMALL, eval_set(5, 3), 2,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    batch = phases.Batch(SMALL, eval_set(5, 3), 2, SamplingParams(max_tokens=2), seed=0)
+    ro = phases.rollout(sampler, batch)
     sc = phases.score(ro)
     datums = [phases.turn_datum(ep.stream, np.full(phases.replies(ep.stream), a))
               for ep, a in zip(ro.flat, [1.0, -1.0] * 3)]
-    yield {"ro": ro, "sc": sc, "adv": phases.advantages(sc.rewards_P_G), "datums": datums,
+    yield {"batch": batch, "ro": ro, "sc": sc, "adv": phases.advantages(sc.rewards_P_G),
+           "datums": datums,
            "fb": tc.forward(datums, "ppo").result(),
-           "up": phases.update(tc, datums, "ppo", LossConfig(), AdamParams(learning_rate=1e-3)),
-           "ev": phases.evaluate(sampler, SMALL, eval_set(5, 3), "tiny", sampled_passes=2,
-                                 max_tokens=2)}
+           "up": phases.update(tc, datums, phases.UpdateSettings(
+               "ppo", LossConfig(), AdamParams(learning_rate=1e-3))),
+           "ev": phases.evaluate(sampler, replace(batch, seed=12345), "tiny")}
     session.close()
 
 
 def test_rollout_and_episode_reprs(records: dict[str, Any]) -> None:
+    assert repr(records["batch"]) == "Batch(MazeConfig, P=3 x G=2, temperature 1.0, seed 0)"
+    window = replace(records["batch"], history_images=2)
+    assert repr(window) == "Batch(MazeConfig, P=3 x G=2, temperature 1.0, seed 0, last 2 images)"
     ro = records["ro"]
     solved = sum(ep.success for ep in ro.flat)
     assert repr(ro).startswith(f"RolloutRecord(P=3 x G=2 episodes, {solved} solved, ")

@@ -6,18 +6,9 @@ import pytest
 import torch
 
 from workbench.envs import MazeConfig, MazeEnv, eval_set, oracle_ceiling, shortest_path_lengths
+from workbench.envs.tasks import oracle_policy, random_open_policy, random_policy
 from workbench.policy import SamplingParams, chat_format
-from workbench.rl import (
-    Episode,
-    EvalResult,
-    format_table,
-    oracle_policy,
-    play_model,
-    play_scripted,
-    random_open_policy,
-    random_policy,
-    summarize,
-)
+from workbench.rl import Episode, EvalResult, format_table, play_model, play_scripted, summarize
 from workbench.rl.evaluate import TABLE_HEADER
 
 # ---------------------------------------------------------------- scripted policies

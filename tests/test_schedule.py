@@ -7,8 +7,22 @@ import math
 import pytest
 
 from workbench.config import PRESETS, apply_overrides
-from workbench.envs import EVAL_SEEDS
-from workbench.rl.schedule import learning_rate, step_mazes, step_seed
+from workbench.envs import EVAL_SEEDS, eval_set
+from workbench.policy import SamplingParams
+from workbench.rl.phases import Batch, UpdateSettings
+from workbench.rl.schedule import (
+    EVAL_SEED,
+    eval_batch,
+    learning_rate,
+    refill_batch,
+    refill_mazes,
+    refill_seed,
+    step_batch,
+    step_mazes,
+    step_seed,
+    step_update,
+)
+from workbench.session import AdamParams, LossConfig
 
 
 def test_constant_schedule() -> None:
@@ -40,7 +54,6 @@ def test_refill_mazes_are_their_own_block_per_step_and_round() -> None:
     """Dynamic sampling's refill mazes (algorithm.dynamic_sampling) depend only on the step and
     round, never repeat a step maze or another round's, and are held out from the eval set."""
     from workbench.envs import eval_task_keys, init_maze, task_key
-    from workbench.rl.schedule import refill_mazes, refill_seed
 
     config = apply_overrides(PRESETS["tiny"], ["algorithm.dynamic_sampling=2"])
     P = config.trainer.train_batch_size
@@ -66,3 +79,29 @@ def test_sft_cosine_schedule() -> None:
     lrs = [sft_lr(adam, "cosine", s, 10).learning_rate for s in range(1, 11)]
     assert lrs[0] == pytest.approx(1e-3) and lrs[5] == pytest.approx(5e-4)
     assert all(a > b > 0 for a, b in zip(lrs, lrs[1:]))
+
+
+def test_the_batches_and_update_of_a_step_come_from_the_config() -> None:
+    config = apply_overrides(PRESETS["tiny"], [
+        "generator.n_samples_per_prompt=4", "generator.temperature=0.9", "generator.max_tokens=3",
+        "generator.history_images=2", "eval.n_mazes=5", "eval.sampled_passes=3",
+        "eval.temperature=0.6", "algorithm.loss=cispo", "algorithm.clip_high=0.3",
+        "algorithm.loss_reduction=token_mean", "algorithm.learning_rate=2e-4",
+        "algorithm.minibatch=4",
+        "algorithm.mini_batches=2", "algorithm.update_epochs=3", "algorithm.grad_clip_norm=0.5"])
+    sampling = SamplingParams(max_tokens=3, temperature=0.9)
+    assert step_batch(config, 2) == Batch(config.task, step_mazes(config, 2), 4, sampling,
+                                          step_seed(config, 2), history_images=2)
+    assert refill_batch(config, 2, 1, 3) == Batch(config.task, refill_mazes(config, 2, 1, 3), 4,
+                                                  sampling, refill_seed(config, 2, 1), 2)
+    assert eval_batch(config) == Batch(config.task, eval_set(9, 5), 3, SamplingParams(
+        max_tokens=3, temperature=0.6), EVAL_SEED, history_images=2)
+    assert step_update(config, 2) == UpdateSettings(
+        "cispo", LossConfig(clip_high=0.3, reduction="token_mean", temperature=0.9),
+        AdamParams(learning_rate=2e-4, grad_clip_norm=0.5), minibatch=4, mini_batches=2,
+        epochs=3)
+
+
+def test_the_tiny_presets_update_is_update_settings_defaults() -> None:
+    """The README's step calls update(tc, datums): the same update as the loop's first step."""
+    assert step_update(PRESETS["tiny"], 1) == UpdateSettings()

@@ -196,9 +196,8 @@ def test_off_policy_samples_ahead_and_resumes_exactly(sft_model: str, tmp_path: 
     checkpoint every 2 steps); and a run stopped at its step-2 checkpoint resumes to the metrics
     of one that ran straight through."""
     from workbench.opener import session_spec
-    from workbench.policy import SamplingParams
     from workbench.rl import phases
-    from workbench.rl.schedule import step_mazes, step_seed
+    from workbench.rl.schedule import step_batch
     from workbench.rl.train import train
     from workbench.session.inprocess import create_session_from_state
 
@@ -225,10 +224,7 @@ def test_off_policy_samples_ahead_and_resumes_exactly(sft_model: str, tmp_path: 
     session = create_session_from_state(state, spec=session_spec(config, tmp_path / "v0"))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
-        params = SamplingParams(max_tokens=config.generator.max_tokens,
-                                       temperature=config.generator.temperature)
-        ro = phases.rollout(sampler, config.maze, step_mazes(config, 2),
-                            config.generator.n_samples_per_prompt, params, step_seed(config, 2))
+        ro = phases.rollout(sampler, step_batch(config, 2))  # step 2's, from step 0's weights
     finally:
         session.close()
     assert phases.score(ro).rewards_P_G.mean() == rows[1]["reward/mean"]
@@ -291,9 +287,9 @@ def test_off_policy_step_ignores_a_rollout_started_for_another_step(sft_model: s
     trainer = start(config, log=lambda *_: None)
     try:
         sampler = trainer.training_client.save_weights_and_get_sampling_client()
-        trainer.ahead = phases.start_rollout(sampler, config.maze, step_mazes(config, 2),
-                                             config.generator.n_samples_per_prompt,
-                                             SamplingParams(max_tokens=2), step_seed(config, 2))
+        trainer.ahead = phases.start_rollout(sampler, phases.Batch(
+            config.task, step_mazes(config, 2), config.generator.n_samples_per_prompt,
+            SamplingParams(max_tokens=2), step_seed(config, 2)))
         row = train_step(trainer)
     finally:
         trainer.session.close()

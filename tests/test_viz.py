@@ -32,8 +32,10 @@ from workbench.envs import (
 )
 from workbench.envs.actions import move
 from workbench.envs.maze import step_pos
-from workbench.notebook import comparable, jsonable, read_recorded, record_metrics
-from workbench.rl import FAILURE_REASONS, SCRIPTED, failure_reason, play_scripted, wasted_turns
+from workbench.envs.tasks import SCRIPTED
+from workbench.notebook import comparable
+from workbench.notebook_checks import jsonable, read_recorded, record_metrics
+from workbench.rl import FAILURE_REASONS, failure_reason, play_scripted, wasted_turns
 from workbench.rl.inspect import module_name, ratio_stats
 from workbench.run import episode_summary
 from workbench.session.losses import LossConfig

@@ -25,8 +25,10 @@ from typing import Any
 from workbench import loggers
 from workbench.advantages import ADVANTAGES
 from workbench.deps import require
-from workbench.envs import GRAMMARS, REWARDS, MazeConfig
+from workbench.envs import GRAMMARS, REWARDS
 from workbench.envs.env import OBSERVATIONS
+from workbench.envs.protocol import Task
+from workbench.envs.tasks import TASKS
 from workbench.model.lora import LoraSettings
 from workbench.policy.engine import EngineSettings
 from workbench.policy.engines import ENGINES
@@ -64,8 +66,11 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class EnvConfig:
-    """The maze task (generator.max_turns sets the turn budget)."""
+    """The task (generator.max_turns sets the turn budget)."""
 
+    task: str = "maze"
+    """The task (envs/tasks.py): maze (VisGym's 2D maze) | room (an open room, walk to the goal;
+    reward reach_goal only)."""
     size: int = 9
     """Maze side incl. the outer wall: 9 = VisGym's easy (the seed's task), 11 (hard), 7, 5."""
     px_per_cell: int = 16
@@ -267,13 +272,15 @@ class RunConfig:
     run_dir: str = "runs/grpo"
 
     @property
-    def maze(self) -> MazeConfig:
-        """The environment config with the generator's turn budget."""
-        return MazeConfig(max_turns=self.generator.max_turns, **dataclasses.asdict(self.env))
+    def task(self) -> Task:
+        """The config of env.task (`envs.tasks.TASKS`) with the generator's turn budget."""
+        settings = dataclasses.asdict(self.env) | {"max_turns": self.generator.max_turns}
+        return TASKS[settings.pop("task")].make(settings)
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
     "model.dtype": ("float32", "bfloat16", "float16"),
+    "env.task": tuple(TASKS),
     "env.grammar": tuple(GRAMMARS),
     "env.reward": tuple(REWARDS),
     "env.observation": OBSERVATIONS,
@@ -288,7 +295,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "engine.vllm_lora": ("adapter", "merged"),
 }
 """Keys with a fixed set of values; those of a registry are read from it (grammars, rewards,
-observations, losses, reductions, advantage estimators, sampler engines)."""
+observations, losses, reductions, advantage estimators, sampler engines, tasks)."""
 
 
 def _sections(config: RunConfig) -> dict[str, Any]:
@@ -406,7 +413,7 @@ def validate(config: RunConfig) -> None:
     if values["trainer.resume_mode"] == "from_path" and not values["trainer.resume_path"]:
         raise ConfigError("trainer.resume_mode=from_path needs trainer.resume_path")
     try:
-        _ = config.maze  # MazeConfig validates size, px, grammar, reward
+        _ = config.task  # the task's config validates size, px, grammar, reward
     except ValueError as err:
         raise ConfigError(f"env: {err}") from None
 

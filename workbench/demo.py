@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import PRESETS, RunConfig, apply_overrides
-from workbench.envs import eval_set
-from workbench.rl import SCRIPTED, EvalResult, format_table, play_scripted, summarize
+from workbench.envs.tasks import SCRIPTED
+from workbench.rl import EvalResult, format_table, play_scripted, summarize
+from workbench.rl.schedule import eval_batch
 
 EVAL_EVERY = 4
 """Steps between evaluations on the held-out set (and the curve's points)."""
@@ -56,10 +57,10 @@ def demo_config(out: Path, long: bool = False, overrides: tuple[str, ...] = ()) 
 
 
 def baselines(config: RunConfig) -> list[EvalResult]:
-    """Scripted policies on the fixed set."""
-    states = eval_set(config.env.size, config.eval.n_mazes)
-    return [summarize(name, "scripted", play_scripted(policy, config.maze, states), states,
-                      config.maze) for name, policy in SCRIPTED.items()]
+    """Scripted policies on the fixed set of env.task."""
+    b = eval_batch(config)
+    return [summarize(name, "scripted", play_scripted(policy, b.task, b.states_P), b.states_P,
+                      b.task) for name, policy in SCRIPTED.items()]
 
 
 def seed_table(before: list[EvalResult], after: list[EvalResult]) -> str:
@@ -143,5 +144,5 @@ def _pictures(out: Path, trainer, title: str) -> None:
     episodes = trainer.last_eval.episodes
     mode = "sampled" if "sampled" in episodes else "greedy"
     eps = [g[0] for g in episodes[mode][:8]]
-    episode_grid(eps, trainer.config.maze, titles=[f"grpo {mode}"] * len(eps)).savefig(
+    episode_grid(eps, trainer.config.task, titles=[f"grpo {mode}"] * len(eps)).savefig(
         out / "episodes.png", dpi=80)

@@ -4,16 +4,12 @@
     model = policy_model("tiny", sft_steps=40, config=config)     # a short oracle SFT first
     proc = start_train_process(overrides, log_path)               # `python -m workbench train`
     rows = live_plot(run_dir, done=lambda: proc.poll() is not None)
-    record_metrics({"steps": 4}, "runs/nb/00/metrics.json")       # the last cell of a notebook
 
-`record_metrics` is how a notebook hands its key numbers to the tests: a JSON file (path given
-by the notebook's OUT_DIR parameter) that tests/test_notebooks.py reads and asserts.
+What a notebook hands its tests (`record_metrics`) is in `workbench.notebook_checks`.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import signal
 import subprocess
@@ -51,33 +47,6 @@ def policy_model(base: str, sft_steps: int, config: RunConfig, out_dir: str | Pa
     sft = replace(config, model=replace(config.model, name=base),
                   sft=replace(config.sft, steps=sft_steps, overwrite=True), run_dir=str(folder))
     return str(run_sft(sft, log=log))
-
-
-def jsonable(value: Any) -> Any:
-    """Plain JSON values: numpy scalars and arrays, tuples and dataclass-free containers."""
-    if isinstance(value, dict):
-        return {str(k): jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [jsonable(v) for v in value]
-    if hasattr(value, "tolist"):
-        return jsonable(value.tolist())
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    return value
-
-
-def record_metrics(values: dict[str, Any], path: str | Path) -> None:
-    """Write a notebook's key metrics as JSON (tests read it with read_recorded); prints where."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = jsonable(values)
-    path.write_text(json.dumps(data, indent=1, sort_keys=True))
-    print(f"recorded {len(data)} metrics to {path}")
-
-
-def read_recorded(path: str | Path) -> dict[str, Any]:
-    """The metrics a notebook recorded."""
-    return json.loads(Path(path).read_text())
 
 
 def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

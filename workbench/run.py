@@ -20,6 +20,7 @@ import inspect
 import json
 import platform
 import subprocess
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from workbench import loggers
-from workbench.envs import InitState, MazeConfig, init_maze, render_image
+from workbench.envs import Maze, render_image
 from workbench.loggers import read_metrics
 from workbench.policy import Stream, encode_image
 from workbench.rl.rollout import Episode
@@ -130,21 +131,23 @@ def load_step_record(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / "episodes.json").read_text())
 
 
-def load_datums(folder: Path, processor: Any, config: MazeConfig) -> list[Datum]:
-    """Rebuild the exact datums of a step (images re-rendered from maze and position)."""
+def load_datums(folder: Path, processor: Any, maze_of: Callable[[dict[str, Any]], Maze],
+                px_per_cell: int) -> list[Datum]:
+    """Rebuild the exact datums of a step (images re-rendered from the grid of each recorded
+    initial state, `maze_of`: `envs.tasks.TaskEntry.recorded_maze`, and its positions)."""
     record = load_step_record(folder)
     tensors = load_file(str(Path(folder) / "datums.safetensors"))
     datums = []
     for k, (p, g) in enumerate(record["datum_index"]):
         ep = record["episodes_P_G"][p][g]
-        maze = init_maze(InitState.from_dict(ep["init_state"]))
+        maze = maze_of(ep["init_state"])
         n_images = int((tensors[f"{k}.tokens"] == processor.tokenizer.convert_tokens_to_ids(
             "<|vision_start|>")).sum())
         # the datum's images are those of the turns up to its last reply (the last n of them
         # under an image window: generator.history_images)
         mask = tensors[f"{k}.loss_mask"].tolist()
         replies = sum(1 for t, m in enumerate(mask) if m and (t == 0 or not mask[t - 1]))
-        images = tuple(encode_image(processor, render_image(maze, tuple(pos), config.px_per_cell))
+        images = tuple(encode_image(processor, render_image(maze, tuple(pos), px_per_cell))
                        for pos in ep["positions"][replies - n_images:replies])
         stream = Stream(tokens_T=tensors[f"{k}.tokens"].tolist(),
                         mm_types_T=tensors[f"{k}.mm_types"].tolist(),

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from workbench.envs.actions import GRAMMARS, Action, parse_action
+from workbench.envs.evalsets import oracle_ceiling, train_maze
 from workbench.envs.maze import (
     Maze,
     make_maze,
@@ -98,6 +99,10 @@ class MazeConfig:
     def rules(self) -> str:
         """The system prompt (`system_prompt`)."""
         return system_prompt(self)
+
+    def ceiling(self, states: list[InitState]) -> int:
+        """Mazes an oracle solves within max_turns under this reward rule (`oracle_ceiling`)."""
+        return oracle_ceiling(states, self.max_turns, self.reward)
 
 
 def _check_int(field: str, value: object, minimum: int) -> None:
@@ -241,8 +246,6 @@ class MazeEnv(_EnvBase):
         elif seed is not None:
             self._maze = make_maze(self.config.size, seed)
         else:
-            from workbench.envs.evalsets import train_maze
-
             index = int(self.np_random.integers(0, 2**31 - FIRST_TRAIN_SEED))
             self._maze = train_maze(self.config.size, index)
         self._pos, self._turn, self._n_valid, self._done = self._maze.start, 0, 0, False

@@ -4,12 +4,15 @@ A task is a frozen, picklable config (it travels to Ray sampler engines) that ma
 and states the rules; an environment takes reply text and answers with an observation. The
 session never sees either: it runs the loop it is handed (`session.host.play`). `MazeConfig` /
 `MazeEnv` are the main task; `RoomConfig` / `RoomEnv` (envs/room.py) a second, small one. A new
-task adds its module here and one line to `envs.tasks.TASKS`.
+task adds its module here and one entry to `envs.tasks.TASKS` (`env.task` picks it). Both are
+grids: an environment shows its `maze`, which the scripted policies read.
 """
 
 from __future__ import annotations
 
 from typing import Any, Protocol
+
+from workbench.envs.maze import Maze
 
 
 class TaskEnv(Protocol):
@@ -27,6 +30,11 @@ class TaskEnv(Protocol):
     @property
     def done(self) -> bool:
         """True once the episode terminated or was truncated."""
+        ...
+
+    @property
+    def maze(self) -> Maze:
+        """The grid of the episode since the last reset: walls, start and goal."""
         ...
 
     def reset(self, *, seed: int | None = None,
@@ -60,4 +68,9 @@ class Task(Protocol):
 
     def rules(self) -> str:
         """The system prompt: goal, what the model sees, the reply grammar, the turn limit."""
+        ...
+
+    def ceiling(self, states: list[Any]) -> int:
+        """How many of these initial states an oracle solves within the turn budget: what a
+        success rate is read against (`rl.evaluate.summarize`)."""
         ...

@@ -1,7 +1,8 @@
 """A second, small task: an open room (walls only around the edge), walk to the goal.
 
-It exists to keep the seam honest: it follows `envs.protocol` and plays through the same session,
-loop and phases as the maze with no change outside `envs/` (tests/test_tasks.py).
+It keeps the seam honest: it follows `envs.protocol`, plays through the same session, loop and
+phases as the maze with no change outside `envs/`, and trains from the command line
+(`python -m workbench train env.task=room`; tests/test_tasks.py).
 
     env = RoomConfig(size=5).make_env()
     obs, info = env.reset(options={"init_state": RoomState(5, start=(1, 1), goal=(3, 3))})
@@ -17,7 +18,7 @@ import numpy as np
 
 from workbench.envs.actions import parse_action
 from workbench.envs.env import FEEDBACK_OK, FEEDBACK_WALL, budget_text, rules_text
-from workbench.envs.maze import Maze, render_ascii, render_image, step_pos
+from workbench.envs.maze import Maze, render_ascii, render_image, shortest_path, step_pos
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class RoomState:
     size: int  # cells per side incl. the edge walls
     start: tuple[int, int]  # (row, col) of the agent
     goal: tuple[int, int]  # (row, col) of the goal
+    seed: int = 0  # the room index it was drawn from (room_states)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready dict (a step record's episodes)."""
+        return {"size": self.size, "start": list(self.start), "goal": list(self.goal),
+                "seed": self.seed}
 
 
 def room_states(size: int, first: int, count: int) -> list[RoomState]:
@@ -35,7 +42,7 @@ def room_states(size: int, first: int, count: int) -> list[RoomState]:
     out = []
     for index in range(first, first + count):
         a, b = np.random.default_rng(index).choice(len(cells), size=2, replace=False)
-        out.append(RoomState(size, cells[int(a)], cells[int(b)]))
+        out.append(RoomState(size, cells[int(a)], cells[int(b)], index))
     return out
 
 
@@ -49,6 +56,11 @@ class RoomConfig:
     max_turns: int = 8
     observation: str = "image"
 
+    def __post_init__(self) -> None:
+        if self.size < 4:
+            raise ValueError(f"a room needs size >= 4 (two cells inside its walls), got "
+                             f"{self.size}")
+
     def make_env(self) -> RoomEnv:
         return RoomEnv(self)
 
@@ -56,6 +68,11 @@ class RoomConfig:
         """The system prompt, in the maze's words (`envs.env.rules_text`) for this grammar."""
         return rules_text(f"You are in an empty {self.size}x{self.size} room.",
                           self.observation, "reach_goal", self.grammar, self.max_turns)
+
+    def ceiling(self, states: list[RoomState]) -> int:
+        """Rooms whose goal is at most max_turns moves away (every room can be crossed)."""
+        return sum(len(shortest_path(room_maze(s), s.start, s.goal)) <= self.max_turns
+                   for s in states)
 
 
 def room_maze(state: RoomState) -> Maze:
@@ -80,6 +97,12 @@ class RoomEnv:
     @property
     def done(self) -> bool:
         return self._done
+
+    @property
+    def maze(self) -> Maze:
+        if self._maze is None:
+            raise RuntimeError("call reset() first")
+        return self._maze
 
     def reset(self, *, seed: int | None = None,
               options: dict[str, Any] | None = None) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,6 +30,12 @@ class InitState:
         object.__setattr__(self, "start", (int(self.start[0]), int(self.start[1])))
         object.__setattr__(self, "goal", (int(self.goal[0]), int(self.goal[1])))
 
+    @property
+    def seed(self) -> int:
+        """The seed it was drawn from (its maze's): what anything drawn per state is seeded by,
+        such as SFT's detours (`rl.sft.sft_steps`)."""
+        return self.maze_seed
+
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-ready dict."""
         return {"maze_seed": self.maze_seed, "size": self.size,

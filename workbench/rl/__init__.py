@@ -8,19 +8,9 @@ from workbench.rl.evaluate import (
     summarize,
     wasted_turns,
 )
-from workbench.rl.rollout import (
-    SCRIPTED,
-    Episode,
-    oracle_policy,
-    play_model,
-    play_scripted,
-    random_open_policy,
-    random_policy,
-    user_text,
-)
+from workbench.rl.rollout import Episode, play_model, play_scripted, user_text
 
 __all__ = [
-    "FAILURE_REASONS", "SCRIPTED", "EvalResult", "Episode", "failure_reason", "format_table",
-    "oracle_policy", "play_model", "play_scripted", "random_open_policy", "random_policy",
-    "summarize", "user_text", "wasted_turns",
+    "FAILURE_REASONS", "EvalResult", "Episode", "failure_reason", "format_table", "play_model",
+    "play_scripted", "summarize", "user_text", "wasted_turns",
 ]

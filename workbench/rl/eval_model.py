@@ -14,10 +14,10 @@ from pathlib import Path
 from typing import Any
 
 from workbench.config import ConfigError, RunConfig
-from workbench.envs import eval_set
 from workbench.model import LoraSettings
 from workbench.opener import check_model, open_session, session_spec
 from workbench.rl import phases
+from workbench.rl.schedule import eval_batch
 
 
 def adapter_settings(folder: str | Path) -> LoraSettings:
@@ -53,10 +53,7 @@ def evaluate_model(config: RunConfig, model: str = "", adapter: str | Path = "",
                        model, str(adapter))
             session.training_client.load_adapter(folder).result()
         sampler = session.training_client.save_weights_and_get_sampling_client()
-        e = config.eval
-        return phases.evaluate(sampler, config.maze, eval_set(config.env.size, e.n_mazes),
-                               name or str(adapter or model), e.greedy, e.sampled_passes,
-                               e.temperature, config.generator.max_tokens,
-                               history_images=config.generator.history_images)
+        return phases.evaluate(sampler, eval_batch(config), name or str(adapter or model),
+                               config.eval.greedy)
     finally:
         session.close()

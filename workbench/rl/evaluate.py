@@ -1,7 +1,8 @@
-"""Evaluate a policy on a fixed maze set, with the oracle ceiling beside the success rate.
+"""Evaluate a policy on a fixed set of a task, with the oracle ceiling beside the success rate.
 
-The ceiling is how many mazes can be solved at all within the turn budget under the reward rule
-(`workbench.envs.oracle_ceiling`); a success rate means little without it. `failure_reason`
+The ceiling is how many of the set can be solved at all within the turn budget (for the maze,
+under its reward rule: `workbench.envs.oracle_ceiling`; `Task.ceiling`); a success rate means
+little without it. `failure_reason`
 names why a failed episode failed (parse error, wall bump, loop, stopped, turn budget).
 
     python -m workbench demo   # random, oracle and the untrained tiny model on 64 mazes
@@ -14,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from workbench.envs import Action, InitState, MazeConfig, oracle_ceiling
+from workbench.envs import Action
+from workbench.envs.protocol import Task
 from workbench.rl.rollout import Episode
 
 
@@ -51,11 +53,9 @@ class EvalResult:
 TABLE_HEADER = f"{'policy':<16} {'mode':<9} {'solved':>10} {'rate':>7}  {'ceiling':>7} {'turns':>6}"
 
 
-def summarize(
-    name: str, mode: str, episodes_P_G: list[list[Episode]], states: list[InitState],
-    config: MazeConfig,
-) -> EvalResult:
-    """Reduce episodes_P_G to an EvalResult with the oracle ceiling."""
+def summarize(name: str, mode: str, episodes_P_G: list[list[Episode]], states: list[Any],
+              config: Task) -> EvalResult:
+    """Reduce episodes_P_G to an EvalResult with the task's oracle ceiling on `states`."""
     flat = [ep for group in episodes_P_G for ep in group]
     return EvalResult(
         policy=name,
@@ -65,7 +65,7 @@ def summarize(
         successes_P=tuple(sum(ep.success for ep in group) for group in episodes_P_G),
         mean_turns=float(np.mean([ep.turns for ep in flat])),
         mean_reward=float(np.mean([ep.reward for ep in flat])),
-        ceiling=oracle_ceiling(states, config.max_turns, config.reward),
+        ceiling=config.ceiling(states),
     )
 
 

@@ -1,11 +1,16 @@
 """The GRPO phases as plain functions over plain records, one notebook cell each:
 
-    ro   = rollout(sampler, maze_cfg, states_P, n=8, params=SamplingParams(), seed=0)
+    ro   = rollout(sampler, Batch(task, states_P, G=8, params=SamplingParams(), seed=0))
     sc   = score(ro)                              # rewards_P_G
     adv  = advantages(sc.rewards_P_G, "grpo")     # advantages_P_G, zero-variance groups
     data = make_datums(ro, adv)                   # one datum per episode that carries signal
-    up   = update(training_client, data, "ppo", LossConfig(), AdamParams(learning_rate=3e-4))
-    ev   = evaluate(sampler, maze_cfg, eval_set(9), greedy=True, sampled_passes=2)
+    up   = update(training_client, data, UpdateSettings(adam=AdamParams(learning_rate=3e-4)))
+    ev   = evaluate(sampler, Batch(task, eval_states, G=2, params=SamplingParams(), seed=0))
+
+A `Batch` is what a rollout plays (the task, its initial states, G, the sampling parameters and
+seed); `UpdateSettings` how an update trains (loss, optimiser step, mini-batches). From a run
+config, `rl.schedule` makes both for any step (`step_batch`, `step_update`) and the eval set's
+batch (`eval_batch`).
 
 Advantages are group-relative: GRPO (r - mean) / (std + 1e-6) with the unbiased std as SkyRL
 computes it, Dr. GRPO (r - mean), RLOO (r - mean of the others). A group whose rewards are all
@@ -32,7 +37,6 @@ from typing import Any, cast
 import numpy as np
 
 from workbench.advantages import ADVANTAGES
-from workbench.envs import InitState, MazeConfig
 from workbench.envs.protocol import Task
 from workbench.policy import SamplingParams, Stream
 from workbench.rl.evaluate import TABLE_HEADER, EvalResult, summarize
@@ -51,11 +55,12 @@ def _takes(phase: str, value: Any, want: type | tuple[type, ...], what: str, hin
 
 def _check_states(states_P: Any) -> None:
     """Initial states, not the maze seeds they are made from."""
-    if any(isinstance(s, int | str) for s in states_P):
-        raise TypeError(f"states_P must be initial states (e.g. eval_set(7, 8) or "
-                        f"step_mazes(config, 1)), not {type(states_P[0]).__name__}s such as "
-                        f"{states_P[0]!r}: a maze seed becomes a state with train_states or "
-                        "eval_set")
+    if not isinstance(states_P, list | tuple) or any(isinstance(s, int | str) for s in states_P):
+        got = type(states_P).__name__ if not isinstance(states_P, list | tuple) else (
+            f"{type(states_P[0]).__name__}s such as {states_P[0]!r}")
+        raise TypeError(f"states_P must be initial states (a list, e.g. eval_set(7, 8) or "
+                        f"step_mazes(config, 1)), not {got}: a maze seed becomes a state with "
+                        "train_states or eval_set")
 
 
 def _stats(values: np.ndarray) -> str:
@@ -108,12 +113,31 @@ class RolloutRecord:
         return nats / replies if replies else 0.0
 
 
-def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
-            params: SamplingParams, seed: int, history_images: int = 0) -> RolloutRecord:
-    """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
-    client's weights version; `history_images` > 0 keeps only the last k turns' images in the
-    model's context (generator.history_images)."""
-    return start_rollout(sampler, config, states_P, n, params, seed, history_images).result()
+@dataclass(frozen=True)
+class Batch:
+    """What one rollout plays: G episodes of each initial state of a task (a maze, or any task
+    of `envs.tasks`), sampled with `params` from `seed`; `history_images` > 0 keeps only the
+    last k turns' images in the model's context (generator.history_images)."""
+
+    task: Task
+    states_P: list[Any]
+    G: int
+    params: SamplingParams
+    seed: int
+    history_images: int = 0
+
+    def __post_init__(self) -> None:
+        _check_states(self.states_P)
+
+    def __repr__(self) -> str:
+        window = f", last {self.history_images} images" if self.history_images else ""
+        return (f"Batch({type(self.task).__name__}, P={len(self.states_P)} x G={self.G}, "
+                f"temperature {self.params.temperature}, seed {self.seed}{window})")
+
+
+def rollout(sampler: SamplingClientLike, batch: Batch) -> RolloutRecord:
+    """The batch's episodes, sampled from the sampling client's weights version."""
+    return start_rollout(sampler, batch).result()
 
 
 @dataclass
@@ -137,14 +161,15 @@ class PendingRollout:
         return RolloutRecord(episodes, self.params, self.seed, end - self.started)
 
 
-def start_rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
-                  params: SamplingParams, seed: int, history_images: int = 0) -> PendingRollout:
+def start_rollout(sampler: SamplingClientLike, batch: Batch) -> PendingRollout:
     """`rollout` without waiting: the episodes are sampled (on Ray, by the engines) while the
     caller goes on, e.g. with an update."""
-    _check_states(states_P)
-    start = time.perf_counter()
-    future = sampler.play(episode_loop(history_images), config, states_P, n, params, seed)
-    pending = PendingRollout(future, params, seed, start)
+    _takes("rollout", batch, Batch, "a Batch", "pass schedule.step_batch(config, step), or "
+           "Batch(task, states_P, G, params, seed)")
+    b, start = batch, time.perf_counter()
+    future = sampler.play(episode_loop(b.history_images), b.task, b.states_P, b.G, b.params,
+                          b.seed)
+    pending = PendingRollout(future, b.params, b.seed, start)
     future.add_done_callback(lambda _: pending.finished.append(time.perf_counter()))
     return pending
 
@@ -404,49 +429,67 @@ def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
             for d, s in zip(datums, scale_B)]
 
 
-def update(training_client: TrainingClientLike, datums: list[Datum], loss_fn: str,
-           loss_cfg: LossConfig, adam: AdamParams, minibatch: int = 16,
-           bucket_by_length: bool = False, mini_batches: int = 1,
-           epochs: int = 1) -> UpdateRecord:
-    """`epochs` passes over the batch, each split into `mini_batches` contiguous mini-batches;
-    each mini-batch is forward_backward over chunks of `minibatch` datums (queued back to back)
-    and then one optim_step (PPO's mini-batch updates: SkyRL's policy_mini_batch_size and
-    update_epochs_per_batch). The loss config's mean reduction is applied over each mini-batch
-    (`global_weights`), so the chunking does not change the gradient; `bucket_by_length` sorts
-    the datums by length first, so each chunk pads to a near length instead of the longest
-    episode. Metrics: loss and grad norm averaged over the optimizer steps, the rest
-    token-weighted over every call. No datums: no call at all, a RuntimeWarning (NO_DATUMS) and
-    `UpdateRecord.empty`."""
-    _check_update_args(training_client, datums, loss_fn, loss_cfg, adam)
-    start = time.perf_counter()
+@dataclass(frozen=True)
+class UpdateSettings:
+    """How `update` trains on a batch of datums: the loss, the optimiser step, and how the
+    batch is split (PPO's mini-batch updates: SkyRL's policy_mini_batch_size and
+    update_epochs_per_batch)."""
+
+    loss_fn: str = "ppo"  # a key of session.losses.LOSSES
+    loss: LossConfig = field(default_factory=LossConfig)
+    adam: AdamParams = field(default_factory=AdamParams)
+    minibatch: int = 16  # datums per forward_backward call (does not change the gradient)
+    mini_batches: int = 1  # optimiser steps per batch, one per contiguous mini-batch
+    epochs: int = 1  # passes over the batch
+    bucket_by_length: bool = False  # sort by length first: each call pads to a near length
+
+    def __post_init__(self) -> None:
+        _takes("UpdateSettings", self.loss_fn, str, "loss_fn, a loss name such as \"ppo\"",
+               "see workbench.session.losses.LOSSES")
+        _takes("UpdateSettings", self.loss, LossConfig, "loss, a LossConfig",
+               "pass LossConfig(reduction=config.algorithm.loss_reduction)")
+        _takes("UpdateSettings", self.adam, AdamParams, "adam, an AdamParams",
+               "pass AdamParams(learning_rate=3e-4)")
+
+
+def update(training_client: TrainingClientLike, datums: list[Datum],
+           settings: UpdateSettings = UpdateSettings()) -> UpdateRecord:
+    """`settings.epochs` passes over the batch, each split into `mini_batches` contiguous
+    mini-batches; each mini-batch is forward_backward over chunks of `minibatch` datums (queued
+    back to back) and then one optim_step. The loss config's mean reduction is applied over
+    each mini-batch (`global_weights`), so the chunking does not change the gradient. Metrics:
+    loss and grad norm averaged over the optimizer steps, the rest token-weighted over every
+    call. No datums: no call at all, a RuntimeWarning (NO_DATUMS) and `UpdateRecord.empty`."""
+    _check_update_args(training_client, datums, settings)
+    u, start = settings, time.perf_counter()
     if not datums:
         warnings.warn(NO_DATUMS, RuntimeWarning, stacklevel=2)
-        return UpdateRecord.empty(adam.learning_rate)
-    if bucket_by_length:
+        return UpdateRecord.empty(u.adam.learning_rate)
+    if u.bucket_by_length:
         datums = sorted(datums, key=lambda d: len(d.stream))
-    summed = replace(loss_cfg, reduction="sum")
-    bounds = np.linspace(0, len(datums), min(mini_batches, len(datums)) + 1).round().astype(int)
+    summed = replace(u.loss, reduction="sum")
+    bounds = np.linspace(0, len(datums), min(u.mini_batches, len(datums)) + 1).round().astype(int)
     outs, losses, steps = [], [], []
-    for _ in range(epochs):
+    for _ in range(u.epochs):
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            part = global_weights(datums[lo:hi], loss_cfg.reduction)
-            futures = [training_client.forward_backward(part[i:i + minibatch], loss_fn, summed)
-                       for i in range(0, len(part), minibatch)]
-            steps.append(training_client.optim_step(adam))
+            part = global_weights(datums[lo:hi], u.loss.reduction)
+            futures = [training_client.forward_backward(part[i:i + u.minibatch], u.loss_fn,
+                                                        summed)
+                       for i in range(0, len(part), u.minibatch)]
+            steps.append(training_client.optim_step(u.adam))
             done = [f.result() for f in futures]
             outs += done
             losses.append(sum(o.loss for o in done))
     total_tokens = sum(o.metrics["tokens"] for o in outs) or 1
     metrics = {k: sum(o.metrics[k] * o.metrics["tokens"] for o in outs) / total_tokens
                for k in ("kl_sampler_trainer", "clip_fraction", "entropy")}
-    metrics |= {"loss": float(np.mean(losses)), "tokens": total_tokens // epochs}
+    metrics |= {"loss": float(np.mean(losses)), "tokens": total_tokens // u.epochs}
     opts = [s.result() for s in steps]
     return UpdateRecord(metrics, float(np.mean([o.grad_norm for o in opts])),
                         opts[-1].learning_rate, len(datums), time.perf_counter() - start)
 
 
-def _check_update_args(training_client: Any, datums: Any, loss_fn: Any, loss_cfg: Any,
-                       adam: Any) -> None:
+def _check_update_args(training_client: Any, datums: Any, settings: Any) -> None:
     """update's arguments, each named in one line when it is not what update takes."""
     if not callable(getattr(training_client, "forward_backward", None)):
         raise TypeError(f"update takes a training client first (session.training_client), not "
@@ -456,17 +499,14 @@ def _check_update_args(training_client: Any, datums: Any, loss_fn: Any, loss_cfg
             f"a list holding {type(next(d for d in datums if not isinstance(d, Datum))).__name__}")
         raise TypeError(f"update takes datums, a list of Datum, not {got}: pass "
                         "make_datums(ro, adv)")
-    _takes("update", loss_fn, str, "loss_fn, a loss name such as \"ppo\"",
-           "see workbench.session.losses.LOSSES")
-    _takes("update", loss_cfg, LossConfig, "loss_cfg, a LossConfig",
-           "pass LossConfig(reduction=config.algorithm.loss_reduction)")
-    _takes("update", adam, AdamParams, "adam, an AdamParams",
-           "pass AdamParams(learning_rate=3e-4)")
+    _takes("update", settings, UpdateSettings, "settings, an UpdateSettings",
+           "pass UpdateSettings(\"ppo\", LossConfig(), AdamParams(learning_rate=3e-4)) or "
+           "schedule.step_update(config, step)")
 
 
 @dataclass
 class EvalRecord:
-    """Greedy and sampled results on a fixed maze set (sampled over several passes)."""
+    """Greedy and sampled results on a fixed set (sampled over several passes)."""
 
     results: list[EvalResult]
     episodes: dict[str, list[list[Episode]]]
@@ -492,25 +532,24 @@ class EvalRecord:
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitState],
-             name: str = "policy", greedy: bool = True, sampled_passes: int = 2,
-             temperature: float = 1.0, max_tokens: int = 4, seed: int = 12345,
-             keep_streams: bool = False, history_images: int = 0) -> EvalRecord:
-    """Success on the fixed set, greedy and/or sampled (passes = episodes per maze), with the
-    image window of the policy's rollouts (`history_images`). Episodes keep their replies and
-    positions; token streams only with keep_streams."""
-    _check_states(states)
+def evaluate(sampler: SamplingClientLike, batch: Batch, name: str = "policy",
+             greedy: bool = True, keep_streams: bool = False) -> EvalRecord:
+    """Success on a fixed set of a task (the batch's states): one greedy pass (when `greedy`)
+    and the batch's G sampled passes (none when G is 0), each beside the task's ceiling
+    (`Task.ceiling`). Episodes keep their replies and positions; token streams only with
+    keep_streams."""
+    _takes("evaluate", batch, Batch, "a Batch", "pass schedule.eval_batch(config), or "
+           "Batch(task, eval_set(9, 8), G=2, params=SamplingParams(temperature=0.7), seed=0)")
     start = time.perf_counter()
-    runs = [("greedy", 1, 0.0)] if greedy else []
-    runs += [("sampled", sampled_passes, temperature)] if sampled_passes > 0 else []
+    runs = [("greedy", replace(batch, G=1, params=replace(batch.params, temperature=0.0)))] \
+        if greedy else []
+    runs += [("sampled", batch)] if batch.G > 0 else []
     results, episodes = [], {}
-    for mode, n, temp in runs:
-        params = SamplingParams(max_tokens=max_tokens, temperature=temp)
-        eps = sampler.play(episode_loop(history_images), config, states, n, params,
-                           seed).result()
+    for mode, run in runs:
+        eps = rollout(sampler, run).episodes_P_G
         if not keep_streams:  # token streams hold every image's pixels: ~1 MB a turn
             for ep in (ep for group in eps for ep in group):
                 ep.stream, ep.turn_streams = None, []
         episodes[mode] = eps
-        results.append(summarize(name, mode, eps, states, config))
+        results.append(summarize(name, mode, eps, batch.states_P, batch.task))
     return EvalRecord(results, episodes, time.perf_counter() - start)

@@ -35,9 +35,9 @@ def build(folder: str | Path, recipe: PretrainRecipe = RECIPE) -> dict[str, Any]
     import torch
 
     from workbench.config import PRESETS, apply_overrides
-    from workbench.envs import eval_set
     from workbench.opener import open_session
     from workbench.rl import phases
+    from workbench.rl.schedule import eval_batch
     from workbench.rl.sft import run_sft
     from workbench.session import SessionSpec
 
@@ -54,12 +54,10 @@ def build(folder: str | Path, recipe: PretrainRecipe = RECIPE) -> dict[str, Any]
                                        workdir=str(folder / ".eval")))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
-        e, sizes = config.eval, {}
+        sizes = {}
         for size in recipe.report_sizes:
-            maze = replace(config.maze, size=size)
-            record = phases.evaluate(sampler, maze, eval_set(size, e.n_mazes), TINY_SFT_NAME,
-                                     e.greedy, e.sampled_passes, e.temperature,
-                                     config.generator.max_tokens)
+            batch = eval_batch(replace(config, env=replace(config.env, size=size)))
+            record = phases.evaluate(sampler, batch, TINY_SFT_NAME, config.eval.greedy)
             sizes[str(size)] = {r.mode: r.__dict__ | {"success_rate": r.success_rate,
                                                      "solved": r.solved} for r in record.results}
     finally:

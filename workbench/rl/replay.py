@@ -17,6 +17,7 @@ import torch
 
 from workbench import run as rundir
 from workbench.config import RunConfig, from_dict
+from workbench.envs.tasks import TASKS
 from workbench.opener import open_session, session_spec
 from workbench.rl import phases
 from workbench.rl.checkpoints import checkpoint_step, find_checkpoint
@@ -54,13 +55,14 @@ def _checkpoint_before(run_dir: Path, step: int) -> Path:
 
 def _update_from_record(training_client, folder: Path, config: RunConfig) -> dict[str, float]:
     record = rundir.load_step_record(folder)
-    datums = rundir.load_datums(folder, training_client.get_processor(), config.maze)
+    datums = rundir.load_datums(folder, training_client.get_processor(),
+                                TASKS[config.env.task].recorded_maze, config.env.px_per_cell)
     if not datums:  # the step made no update (train_step skips it), nor does its replay
         return {"update/datums": 0}
-    up = phases.update(training_client, datums, record["loss_fn"],
-                       LossConfig(**record["loss_config"]), AdamParams(**record["adam"]),
-                       config.algorithm.minibatch, mini_batches=config.algorithm.mini_batches,
-                       epochs=config.algorithm.update_epochs)
+    a = config.algorithm
+    up = phases.update(training_client, datums, phases.UpdateSettings(
+        record["loss_fn"], LossConfig(**record["loss_config"]), AdamParams(**record["adam"]),
+        a.minibatch, a.mini_batches, a.update_epochs))
     return {"update/loss": up.metrics["loss"],
             "update/kl_sampler_trainer": up.metrics["kl_sampler_trainer"],
             "update/entropy": up.metrics["entropy"],

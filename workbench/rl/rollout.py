@@ -1,4 +1,4 @@
-"""Play maze episodes: a model policy batched per turn, or a scripted policy (random, oracle).
+"""Play episodes of a task: a model policy batched per turn, or a scripted policy (random, oracle).
 
 `play_model` runs G episodes for each of P initial states of a task (any `envs.protocol.Task`:
 the maze, or envs/room.py's room). Every turn, all live episodes are batched and
@@ -15,17 +15,15 @@ appending, so the record holds exactly the tokens the sampler saw and produced.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from workbench.envs import Action, InitState, MazeConfig, MazeEnv, format_action, oracle_actions
-from workbench.envs.actions import move, stop
-from workbench.envs.maze import Maze, step_pos
+from workbench.envs import Action
 from workbench.envs.protocol import Task, TaskEnv
+from workbench.envs.tasks import ScriptedPolicy
 from workbench.model.load import LoadedModel
 from workbench.policy import (
     SamplingParams,
@@ -182,49 +180,16 @@ def play_episodes(lm: LoadedModel, engine: Engine, task: Task, init_states_P: li
                       engine, history_images)
 
 
-# A scripted policy picks the next reply text from (maze, position, rng).
-ScriptedPolicy = Callable[[Maze, tuple[int, int], MazeConfig, np.random.Generator], str]
-def random_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
-                  rng: np.random.Generator) -> str:
-    """Uniform over the four moves (walls included)."""
-    return format_action(move(int(rng.integers(4))), config.grammar)
-
-
-def random_open_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
-                       rng: np.random.Generator) -> str:
-    """Uniform over the moves that do not hit a wall."""
-    open_dirs = [d for d in range(4) if step_pos(maze, pos, d) != pos]
-    return format_action(move(int(rng.choice(open_dirs))), config.grammar)
-
-
-def oracle_policy(maze: Maze, pos: tuple[int, int], config: MazeConfig,
-                  rng: np.random.Generator) -> str:
-    """BFS shortest path from here; stop once on the goal."""
-    path = oracle_actions(maze, pos)
-    return format_action(path[0] if path else stop(), config.grammar)
-
-
-SCRIPTED: dict[str, ScriptedPolicy] = {
-    "random": random_policy,
-    "random_open": random_open_policy,
-    "oracle": oracle_policy,
-}
-
-
-def play_scripted(
-    policy: ScriptedPolicy,
-    config: MazeConfig,
-    init_states_P: list[InitState],
-    n: int = 1,
-    seed: int = 0,
-) -> list[list[Episode]]:
-    """n episodes per maze of a scripted policy: episodes_P_G."""
+def play_scripted(policy: ScriptedPolicy, config: Task, init_states_P: list[Any], n: int = 1,
+                  seed: int = 0) -> list[list[Episode]]:
+    """n episodes per initial state of a task (the maze, the room) of a scripted policy
+    (`envs.tasks.SCRIPTED`): episodes_P_G."""
     rng = np.random.default_rng(seed)
     episodes_P_G = []
     for state in init_states_P:
         group = []
         for _ in range(n):
-            env = MazeEnv(config)
+            env = config.make_env()
             env.reset(options={"init_state": state})
             ep = Episode(init_state=state, positions=[env.pos])
             while not env.done:

@@ -26,10 +26,9 @@ import torch
 from workbench import run as rundir
 from workbench import storage
 from workbench.config import RunConfig, check_loggers, to_dict
-from workbench.envs import eval_set
-from workbench.envs.rewards import REWARDS
+from workbench.envs.tasks import TASKS
 from workbench.opener import check_model, open_session, session_spec
-from workbench.policy import SamplingParams, Stream
+from workbench.policy import Stream
 from workbench.rl import phases
 from workbench.rl.checkpoints import (
     checkpoint_step,
@@ -40,13 +39,12 @@ from workbench.rl.checkpoints import (
 )
 from workbench.rl.evaluate import turn_rates
 from workbench.rl.schedule import (
-    learning_rate,
-    refill_mazes,
-    refill_seed,
-    step_mazes,
+    eval_batch,
+    refill_batch,
+    step_batch,
     step_seed,
+    step_update,
 )
-from workbench.session import AdamParams, LossConfig
 from workbench.session.protocols import SessionLike, TrainingClientLike
 
 
@@ -86,7 +84,8 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
         threads = (config.cluster.threads_per_actor or None) if config.cluster.address else (
             torch.get_num_threads())  # the trainer's threads (Ray's default share: not known)
         rundir.write_manifest(run_dir, to_dict(config), session.describe(),
-                              [REWARDS[config.env.reward], phases.env_reward], threads)
+                              [TASKS[config.env.task].reward(config.task), phases.env_reward],
+                              threads)
     if run.checkpoint is not None:
         set_rng_state(run.state["rng"])
         rundir.truncate_metrics(run_dir, trainer.step)
@@ -100,11 +99,8 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
 
 def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
     """Evaluate the current weights on the fixed set; writes eval/step_N.json."""
-    c = trainer.config
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
-    record = phases.evaluate(sampler, c.maze, eval_set(c.env.size, c.eval.n_mazes), name,
-                             c.eval.greedy, c.eval.sampled_passes, c.eval.temperature,
-                             c.generator.max_tokens, history_images=c.generator.history_images)
+    record = phases.evaluate(sampler, eval_batch(trainer.config), name, trainer.config.eval.greedy)
     rundir.write_json(trainer.run_dir / "eval" / f"step_{trainer.step:06d}.json",
                       {"step": trainer.step, "results": [r.__dict__ for r in record.results]})
     trainer.last_eval = record
@@ -124,29 +120,18 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     waited = time.perf_counter() - t0
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
     sync_seconds = time.perf_counter() - t0 - waited  # Ray: the new weights reach every engine
-    params = SamplingParams(max_tokens=c.generator.max_tokens, temperature=c.generator.temperature)
-    window = c.generator.history_images
-    ro = ro_ahead if ro_ahead is not None else phases.rollout(
-        sampler, c.maze, step_mazes(c, step), c.generator.n_samples_per_prompt, params,
-        step_seed(c, step), window)
-    ro, sampled_P_G = refill(c, sampler, ro, params, step)
+    ro = ro_ahead if ro_ahead is not None else phases.rollout(sampler, step_batch(c, step))
+    ro, sampled_P_G = refill(c, sampler, ro, step)
     speed = trainer.session.speed_metrics()  # this rollout's (queued before the next one)
     if samples_ahead(c, step):
-        trainer.ahead = phases.start_rollout(sampler, c.maze, step_mazes(c, step + 1),
-                                             c.generator.n_samples_per_prompt, params,
-                                             step_seed(c, step + 1), window)
+        trainer.ahead = phases.start_rollout(sampler, step_batch(c, step + 1))
     sc = phases.score(ro)
     adv = phases.advantages(sc.rewards_P_G, c.algorithm.advantage, ro.episodes_P_G,
                             c.algorithm.step_advantage, c.algorithm.step_gamma)
     datums = phases.make_datums(ro, adv)
-    loss_cfg = LossConfig(clip_low=c.algorithm.clip_low, clip_high=c.algorithm.clip_high,
-                          reduction=c.algorithm.loss_reduction, temperature=params.temperature)
-    adam = AdamParams(learning_rate=learning_rate(c, step),
-                      grad_clip_norm=c.algorithm.grad_clip_norm)
-    up = phases.update(trainer.training_client, datums, c.algorithm.loss, loss_cfg, adam,
-                       c.algorithm.minibatch, mini_batches=c.algorithm.mini_batches,
-                       epochs=c.algorithm.update_epochs) if datums else (
-        phases.UpdateRecord.empty(adam.learning_rate))  # no step; the loop says why, once
+    settings = step_update(c, step)
+    up = phases.update(trainer.training_client, datums, settings) if datums else (
+        phases.UpdateRecord.empty(settings.adam.learning_rate))  # no step; the loop says why
     trainer.step = step
     row = _metrics_row(step, ro, sc, adv, up, time.perf_counter() - t0, sampled_P_G)
     row["time/weight_sync"] = sync_seconds
@@ -157,14 +142,15 @@ def train_step(trainer: Trainer) -> dict[str, float]:
         index = phases.datum_index(ro, adv)
         rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
                                 sc.rewards_P_G, adv.advantages_P_G, index, datums,
-                                {"step": step, "adam": adam.__dict__, "loss_fn": c.algorithm.loss,
-                                 "loss_config": loss_cfg.__dict__, "metrics": row})
+                                {"step": step, "adam": settings.adam.__dict__,
+                                 "loss_fn": settings.loss_fn,
+                                 "loss_config": settings.loss.__dict__, "metrics": row})
     rundir.append_metrics(trainer.run_dir, row, trainer.config.trainer.logger)
     trainer.session.report_metrics(row, trainer.run_dir.name)  # Ray: to Ray's metrics
     return row
 
 
-def refill(config: RunConfig, sampler: Any, ro: phases.RolloutRecord, params: SamplingParams,
+def refill(config: RunConfig, sampler: Any, ro: phases.RolloutRecord,
            step: int) -> tuple[phases.RolloutRecord, list[list[Any]]]:
     """algorithm.dynamic_sampling (DAPO): each group of `ro` that carries no signal is replaced by
     the group of a fresh refill maze (`schedule.refill_mazes`), for up to N rounds or until
@@ -179,9 +165,7 @@ def refill(config: RunConfig, sampler: Any, ro: phases.RolloutRecord, params: Sa
         flat = [p for p in range(len(ro.episodes_P_G)) if p not in live]
         if not flat:
             break
-        new = phases.rollout(sampler, c.maze, refill_mazes(c, step, round_, len(flat)),
-                             c.generator.n_samples_per_prompt, params,
-                             refill_seed(c, step, round_), c.generator.history_images)
+        new = phases.rollout(sampler, refill_batch(c, step, round_, len(flat)))
         groups = list(ro.episodes_P_G)
         for p, group in zip(flat, new.episodes_P_G):
             groups[p] = group
