@@ -1,6 +1,7 @@
 """The package's layers, checked by walking every import (module level and inside functions):
 
     envs, model  <  policy  <  session  <  cluster  <  opener  <  rl  <  cli, notebook, demo, serve
+    session  <  storage, run  <  runfolder  <  rl     (a run's files and folder, on disk or S3)
 
 No import cycle; no underscore name imported from another module; the lower layers import nothing
 from the higher ones; the session and its Ray backend know neither the maze nor the run config.
@@ -28,6 +29,12 @@ FORBIDDEN = {
                           "workbench.config", "workbench.opener"),
     "workbench.cluster": ("workbench.envs", "workbench.rl", "workbench.config",
                           "workbench.opener"),
+    "workbench.storage": ("workbench.envs", "workbench.policy", "workbench.cluster",
+                          "workbench.rl", "workbench.config", "workbench.opener",
+                          "workbench.run", "workbench.runfolder"),
+    "workbench.run": ("workbench.cluster", "workbench.rl", "workbench.config",
+                      "workbench.opener", "workbench.runfolder"),
+    "workbench.runfolder": ("workbench.cluster", "workbench.rl", "workbench.opener"),
     "workbench.opener": ("workbench.rl",),
 }
 """package -> what it must not import (the maze lives in envs and rl, the run config above)."""

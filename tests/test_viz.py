@@ -35,7 +35,7 @@ from workbench.envs.maze import step_pos
 from workbench.notebook import comparable, jsonable, read_recorded, record_metrics
 from workbench.rl import FAILURE_REASONS, SCRIPTED, failure_reason, play_scripted, wasted_turns
 from workbench.rl.inspect import module_name, ratio_stats
-from workbench.run import episode_summary
+from workbench.rl.rollout import episode_summary
 from workbench.session.losses import LossConfig
 from workbench.viz import (
     PALETTE,
