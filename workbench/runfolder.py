@@ -1,31 +1,24 @@
-"""A run folder: its layout, its checkpoints, and how a start opens it, written once for a local
-folder and an s3:// prefix alike.
+"""A run folder: its layout, its checkpoints and how a start opens it, written once for a local
+folder and an s3:// prefix (trained in a local working copy) alike.
 
-    run_dir/                      a local folder, or s3://bucket/prefix
-      config.json  manifest.json  session_spec.json     what a start writes first
-      metrics.jsonl  eval/step_000010.json  steps/step_000007/   workbench.run
-      checkpoints/global_step_20/  state/ (weights, optimiser: session.checkpoint.save_state),
-                                   trainer_state.json (step, config, python/numpy/torch RNGs),
-                                   SHA256SUMS.json (sha256 + size of every file), COMPLETE (last)
+    run_dir/                         a local folder, or s3://bucket/prefix
+      config.json  manifest.json  session_spec.json  metrics.jsonl  eval/  steps/  (workbench.run)
+      checkpoints/global_step_20/    state/ (session.checkpoint.save_state), trainer_state.json
+                                     (step, config, RNG states), SHA256SUMS.json, COMPLETE (last)
       latest_checkpointed_iteration.txt                 the newest checkpoint's step (SkyRL's)
-      exports/global_step_20/                           PEFT adapter (adapter_config.json, ...)
+      exports/global_step_20/                           PEFT adapter
 
     run = open_run(config, log)      # the local folder, and the checkpoint to resume from (or None)
     save_checkpoint(run.run_dir, step, training_client, config)
-    mirror_run(run.run_dir, config)  # s3://: upload what is new; a local folder: nothing to do
+    mirror_run(run.run_dir, config)  # s3://: upload what is new (checkpoint folders whole)
 
-Nothing is deleted unasked: a start that would remove what the folder (or prefix) holds is
-refused (`RunFolderExists`, one of REFUSALS) unless trainer.overwrite, and then what goes is
-listed in one line. A run resumes only with the config its checkpoint was made with, outside
-RESUMABLE. Only folders named exactly `global_step_<N>` are checkpoints (any other name is
-ignored with one line); the newest intact one is used, each damaged one above it reported in one
-line; one written before checksums is used with a note. Temporaries of interrupted writes
-(`.global_step_N.tmp-*`, `.state-tmp`) are removed at the next start with one line.
-
-An s3:// run trains in a local working copy (storage.local_dir, else
-$WORKBENCH_CACHE/runs/<bucket>/<prefix>), made afresh at every start: resuming downloads the
-newest intact checkpoint (a torn upload, without COMPLETE, is not downloaded), then config,
-manifest, metrics, the latest marker and eval results; `mirror_run` uploads after each step.
+Nothing is deleted unasked (REFUSALS, unless trainer.overwrite, which lists what goes in one
+line); a run resumes only with its checkpoint's config outside RESUMABLE; the newest intact
+`global_step_<N>` checkpoint is used, each damaged one above it reported in one line (other
+names are ignored); temporaries of interrupted writes are removed at the next start. An s3://
+run's working copy (storage.local_dir, else $WORKBENCH_CACHE/runs/<bucket>/<prefix>) is made
+afresh at every start; resuming downloads the newest intact checkpoint into it (never a torn
+upload), then config, manifest, metrics, the latest marker and eval results.
 """
 
 from __future__ import annotations
@@ -44,7 +37,9 @@ import numpy as np
 import torch
 
 from workbench import run as rundir
+from workbench import storage
 from workbench.config import ConfigError, RunConfig, to_dict
+from workbench.model.tiny import cache_root
 from workbench.session.checkpoint import (
     COMPLETE,
     INCOMPLETE,
@@ -53,20 +48,7 @@ from workbench.session.checkpoint import (
     verify_folder,
 )
 from workbench.session.protocols import TrainingClientLike
-from workbench.storage import (
-    StorageError,
-    Store,
-    delete,
-    folder_complete,
-    get_file,
-    get_folder,
-    list_dir,
-    open_store,
-    put_file,
-    put_folder,
-    read_bytes,
-    write_bytes,
-)
+from workbench.storage import StorageError, Store
 
 Log = Callable[[str], Any]
 
@@ -126,7 +108,7 @@ class RunFolder:
 
 def local_run(run_dir: str | Path) -> RunFolder:
     """A run folder on this machine."""
-    return RunFolder(open_store(run_dir), Path(run_dir))
+    return RunFolder(storage.open_store(run_dir), Path(run_dir))
 
 
 # ------------------------------------------------------------------------- what it holds
@@ -139,14 +121,14 @@ def run_contents(store: Store, ignore: tuple[str, ...] = ()) -> str:
     Temporaries of interrupted writes, a working copy's upload record and `ignore`d names are
     left out."""
     counted, others = {}, []
-    for name in list_dir(store):
+    for name in storage.list_dir(store):
         if name in ignore or name == MIRROR_STATE or TEMPORARY.fullmatch(name):
             continue
         if name in _COUNTED:
-            n = len([e for e in list_dir(store, name) if not TEMPORARY.fullmatch(e)])
+            n = len([e for e in storage.list_dir(store, name) if not TEMPORARY.fullmatch(e)])
             counted[name] = f"{n} {_COUNTED[name]}{'s' if n != 1 else ''}"
         elif name == "metrics.jsonl":
-            rows = sum(1 for line in read_bytes(store, name).splitlines() if line.strip())
+            rows = sum(1 for line in storage.read_bytes(store, name).splitlines() if line.strip())
             counted[name] = f"metrics.jsonl ({rows} row{'s' if rows != 1 else ''})"
         else:
             others.append(name)
@@ -181,7 +163,7 @@ def clear_or_refuse(run: RunFolder, why: str, overwrite: bool, log: Log, **detai
     if not overwrite:
         raise RunFolderExists(REFUSALS[why].format(where=run.where, held=held, **details))
     log(f"{'sft' if why == 'sft' else 'trainer'}.overwrite=true: removing {run.where}: {held}")
-    delete(run.store, "")
+    storage.delete(run.store, "")
 
 
 # ------------------------------------------------------------------------- checkpoints
@@ -225,7 +207,7 @@ def _checkpoint_names(store: Store, log: Log) -> list[str]:
     """The global_step_N entries of checkpoints/ (intact or not), highest step first. Other
     names are ignored: temporaries silently, anything else with one line."""
     found = []
-    for name in list_dir(store, CHECKPOINTS):
+    for name in storage.list_dir(store, CHECKPOINTS):
         if step_of(name) is not None:
             found.append(name)
         elif not TEMPORARY.fullmatch(name):
@@ -238,9 +220,9 @@ def _checkpoint_here(run: RunFolder, name: str) -> tuple[Path, str]:
     is downloaded first (a torn upload is not) and removed again when damaged."""
     folder, key = run.local / CHECKPOINTS / name, f"{CHECKPOINTS}/{name}"
     if run.store.s3:
-        if not folder_complete(run.store, key):
+        if not storage.folder_complete(run.store, key):
             return folder, INCOMPLETE
-        get_folder(run.store, key, folder)
+        storage.get_folder(run.store, key, folder)
     problem = checkpoint_problem(folder)
     if problem and run.store.s3:
         shutil.rmtree(folder)
@@ -276,7 +258,7 @@ def save_checkpoint(run_dir: Path, step: int, training_client: TrainingClientLik
             "step": step, "config": to_dict(config), "rng": rng_state()})
     atomic_folder(folder, write)
     shutil.rmtree(state_path, ignore_errors=True)  # left only when the write above failed
-    write_bytes(open_store(run_dir), LATEST, f"{step}\n".encode())
+    storage.write_bytes(storage.open_store(run_dir), LATEST, f"{step}\n".encode())
     return folder
 
 
@@ -451,9 +433,9 @@ def open_run(config: RunConfig, log: Log = print) -> OpenedRun:
 
 def open_folder(config: RunConfig) -> RunFolder:
     """config.run_dir, checked: a local one must be a folder (or not exist yet); an s3:// one
-    must name a prefix, and gets a fresh working copy (working_copy_path), which must be empty
-    or an earlier working copy."""
-    store = open_store(config.run_dir, config.storage.endpoint_url)
+    must name a prefix, and gets a fresh working copy (storage.local_dir, else
+    $WORKBENCH_CACHE/runs/<bucket>/<prefix>), which must be empty or an earlier working copy."""
+    store = storage.open_store(config.run_dir, config.storage.endpoint_url)
     if not store.s3:
         if Path(config.run_dir).exists() and not Path(config.run_dir).is_dir():
             raise StorageError(f"run_dir {config.run_dir} is a file, not a folder: choose "
@@ -462,7 +444,8 @@ def open_folder(config: RunConfig) -> RunFolder:
     if not store.prefix:
         raise StorageError(f"run_dir={config.run_dir!r} is a whole bucket: use "
                            "s3://bucket/prefix")
-    local = working_copy_path(config.run_dir, config.storage.local_dir)
+    local = Path(config.storage.local_dir) if config.storage.local_dir else (
+        cache_root() / "runs" / store.root[5:])
     if local.is_dir() and any(local.iterdir()) and not (local / MIRROR_STATE).is_file():
         raise RunFolderExists(f"the working copy {local} of run_dir={store.root} is a folder "
                               "that holds other files: choose an empty storage.local_dir")
@@ -483,7 +466,7 @@ def _from_path(ckpt: Path, run: RunFolder, overwrite: bool, log: Log) -> Path:
     step = int(read_trainer_state(ckpt)["step"])
     copy = run.local / CHECKPOINTS / step_folder(step)
     shutil.copytree(ckpt, copy)
-    write_bytes(open_store(run.local), LATEST, f"{step}\n".encode())
+    storage.write_bytes(storage.open_store(run.local), LATEST, f"{step}\n".encode())
     log(f"copied {ckpt} to {copy}")
     return copy
 
@@ -491,24 +474,14 @@ def _from_path(ckpt: Path, run: RunFolder, overwrite: bool, log: Log) -> Path:
 # ------------------------------------------------------------------------- S3 working copies
 
 
-def working_copy_path(run_dir: str, local_dir: str = "") -> Path:
-    """Local folder where an s3:// run is trained: local_dir, else
-    $WORKBENCH_CACHE/runs/<bucket>/<prefix>."""
-    if local_dir:
-        return Path(local_dir)
-    from workbench.model.tiny import cache_root
-
-    return cache_root() / "runs" / run_dir[5:].strip("/")
-
-
 def _download_for_resume(run: RunFolder) -> None:
     """RESUME_FILES and eval results into the working copy (its checkpoint is there already),
     which then records all of it as uploaded."""
-    held = list_dir(run.store)
+    held = storage.list_dir(run.store)
     names = [n for n in RESUME_FILES if n in held] + [f"eval/{n}" for n in
-                                                      list_dir(run.store, "eval")]
+                                                      storage.list_dir(run.store, "eval")]
     for name in names:
-        get_file(run.store, name, run.local / name)
+        storage.get_file(run.store, name, run.local / name)
     _save_mirror_state(run.local, _local_state(run.local))
 
 
@@ -530,7 +503,7 @@ def mirror_run(local: Path, config: RunConfig) -> list[str]:
     """Upload what changed in the working copy `local` of an s3:// run_dir since the last call
     (nothing to do for a local run_dir): complete checkpoint and export folders whole (COMPLETE
     last), then other files, then the latest marker. Returns the keys uploaded."""
-    store, local = open_store(config.run_dir, config.storage.endpoint_url), Path(local)
+    store, local = storage.open_store(config.run_dir, config.storage.endpoint_url), Path(local)
     if not store.s3:
         return []
     done = json.loads((local / MIRROR_STATE).read_text()) if (local / MIRROR_STATE).exists() \
@@ -541,12 +514,12 @@ def mirror_run(local: Path, config: RunConfig) -> list[str]:
                       if k.split("/")[0] in (CHECKPOINTS, EXPORTS) and k.count("/") >= 2})
     for folder in folders:
         if (local / folder / COMPLETE).is_file():
-            put_folder(store, folder, local / folder)
+            storage.put_folder(store, folder, local / folder)
             sent.append(folder)
             done |= {k: now[k] for k in now if k.startswith(folder + "/")}
     files = sorted(k for k in changed if k.split("/")[0] not in (CHECKPOINTS, EXPORTS))
     for key in sorted(files, key=lambda k: k == LATEST):  # the marker last
-        put_file(store, key, local / key)
+        storage.put_file(store, key, local / key)
         sent.append(key)
         done[key] = now[key]
     _save_mirror_state(local, done)

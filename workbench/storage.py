@@ -97,11 +97,6 @@ def open_store(root: str | Path, endpoint_url: str = "") -> Store:
     return Store(str(Path(text).expanduser().resolve()), endpoint_url)
 
 
-def child(store: Store, *parts: str) -> Store:
-    """The store rooted at a sub-folder (sub-prefix)."""
-    return Store(url(store, *parts), store.endpoint_url)
-
-
 def url(store: Store, *parts: str) -> str:
     """Full URL (or path) of a key under the store."""
     key = "/".join(p.strip("/") for p in parts if p.strip("/"))
