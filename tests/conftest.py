@@ -7,9 +7,13 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from workbench.runfolder import RunFolder
+    from workbench.storage import Store
 
 # Ray reads these when it is first imported, and any test may import it first (importorskip):
 # a local Ray instance binds to 127.0.0.1 only, and reports no usage stats.
@@ -168,6 +172,53 @@ def store(request: pytest.FixtureRequest, tmp_path: Path):
         return storage.open_store(tmp_path / "store")
     bucket = request.getfixturevalue("s3_bucket")
     return storage.open_store(f"{bucket}/some/prefix", request.getfixturevalue("s3_server"))
+
+
+# A run at a `store` (the run-folder tests run on a local folder and on an S3 prefix alike).
+
+
+def run_overrides(store: Store, tmp_path: Path) -> list[str]:
+    """The overrides that put a run at `store`: run_dir, and for S3 its endpoint and its
+    working copy (tmp_path / "wc")."""
+    s3 = [f"storage.endpoint_url={store.endpoint_url}", f"storage.local_dir={tmp_path / 'wc'}"]
+    return [f"run_dir={store.root}", *(s3 if store.s3 else [])]
+
+
+def moved(run_dir: str | Path, store: Store, tmp_path: Path) -> str:
+    """The allowed changes a resume logs for a run trained at the local run_dir and resumed at
+    `store` (run_overrides), e.g. 'run_dir "/tmp/a" -> "/tmp/b"'."""
+    s3 = [f'storage.endpoint_url "" -> "{store.endpoint_url}"',
+          f'storage.local_dir "" -> "{tmp_path / "wc"}"']
+    return ", ".join([f'run_dir "{run_dir}" -> "{store.root}"', *(s3 if store.s3 else [])])
+
+
+def run_folder(store: Store, tmp_path: Path) -> RunFolder:
+    """The runfolder.RunFolder of a run at `store` (run_overrides): the folder itself, or the
+    S3 prefix with its working copy."""
+    from workbench.runfolder import RunFolder, local_run
+
+    return RunFolder(store, tmp_path / "wc") if store.s3 else local_run(store.root)
+
+
+def place_run(folder: Path, store: Store, tmp_path: Path) -> RunFolder:
+    """A copy of the run folder `folder` at `store`: copied into a local one, or uploaded to S3
+    as training mirrors it (checkpoint folders whole, COMPLETE last). Returns its RunFolder."""
+    import shutil
+    from dataclasses import replace
+
+    from workbench.config import RunConfig
+    from workbench.runfolder import mirror_run
+
+    if not store.s3:
+        shutil.copytree(folder, store.root, dirs_exist_ok=True)
+        return run_folder(store, tmp_path)
+    stage = tmp_path / "upload"  # mirror_run records what it sent there: a copy of its own
+    shutil.copytree(folder, stage)
+    config = RunConfig()
+    mirror_run(stage, replace(config, run_dir=store.root,
+                              storage=replace(config.storage, endpoint_url=store.endpoint_url)))
+    shutil.rmtree(stage)
+    return run_folder(store, tmp_path)
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,8 @@
 """The package's layers, checked by walking every import (module level and inside functions):
 
     workbench, deps, advantages  <  loggers  <  envs, model  <  policy  <  session  <  storage
-    <  cluster  <  config  <  run, registry, opener  <  rl, jobs  <  viz, serve, notebook, demo, cli
+    <  cluster  <  config  <  run, runfolder, registry, opener  <  rl, jobs
+    <  viz, serve, notebook, demo, cli
 
 No import cycle; no underscore name imported from another module; no module imports from a layer
 above its own; the model, the sampler, the session and its Ray backend do not know the maze.
@@ -25,7 +26,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workbench.storage",),
     ("workbench.cluster",),
     ("workbench.config",),
-    ("workbench.run", "workbench.registry", "workbench.opener"),
+    ("workbench.run", "workbench.runfolder", "workbench.registry", "workbench.opener"),
     ("workbench.rl", "workbench.jobs"),
     ("workbench.viz", "workbench.serve", "workbench.notebook", "workbench.demo",
      "workbench.cli", "workbench.__main__"),

@@ -1,9 +1,10 @@
-"""Nothing deleted unasked, resume only with the same config, intervals exactly as documented:
+"""Nothing deleted unasked, resume only with the same config, intervals exactly as documented,
+in a local run folder and on an S3 prefix (moto's server) alike:
 
 - trainer.resume_mode=none on a run folder that holds anything is refused, naming the folder,
   what it holds and trainer.overwrite; with trainer.overwrite=true one line says what is
   removed. The same for resume_mode=latest with no intact checkpoint, for from_path into
-  another run's folder, for `sft` (sft.overwrite) and for an s3:// prefix;
+  another run's folder and for `sft` (sft.overwrite);
 - resuming with a config that differs from the checkpoint's outside the allow-list is refused,
   naming each key old -> new; an allowed change is logged in one line and config.json updated;
 - trainer.ckpt_interval / hf_save_interval / eval_interval: N and 0 as config.py documents.
@@ -20,14 +21,21 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import moved, place_run, run_folder, run_overrides
 
 from workbench import storage
-from workbench.config import PRESETS, apply_overrides
-from workbench.rl.checkpoints import RESUMABLE, CheckpointUnusable, ResumeConfigChanged
+from workbench.config import PRESETS, apply_overrides, to_dict
 from workbench.rl.train import start, train
 from workbench.run import read_metrics
-from workbench.session.checkpoint import atomic_folder, verify_folder, write_checksums
-from workbench.storage import RunFolderExists
+from workbench.runfolder import (
+    RESUMABLE,
+    CheckpointUnusable,
+    ResumeConfigChanged,
+    RunFolder,
+    RunFolderExists,
+)
+from workbench.session.checkpoint import verify_folder, write_checksums
+from workbench.storage import Store
 
 RUN = ["trainer.total_steps=2", "trainer.ckpt_interval=1", "trainer.hf_save_interval=0",
        "trainer.eval_interval=0", "eval.n_mazes=2", "eval.sampled_passes=0",
@@ -42,8 +50,19 @@ def _config(tiny_dir: Path, small_run: list[str], run_dir: Path | str, *extra: s
         f"model.name={tiny_dir}", f"run_dir={run_dir}", *extra])
 
 
+def _at(tiny_dir: Path, small_run: list[str], run: RunFolder, tmp_path: Path, *extra: str):
+    """The config of a run at `run` (a local folder, or an S3 prefix through tmp_path/wc)."""
+    return apply_overrides(PRESETS["tiny"], small_run + RUN + [
+        f"model.name={tiny_dir}", *run_overrides(run.store, tmp_path), *extra])
+
+
 def _quiet(*_: object) -> None:
     pass
+
+
+def _opening(lines: list[str]) -> list[str]:
+    """The lines of a start without the one naming an S3 run's working copy."""
+    return [line for line in lines if not line.startswith("run directory s3://")]
 
 
 @pytest.fixture(scope="module")
@@ -54,114 +73,131 @@ def first(tiny_dir: Path, small_run: list[str], tmp_path_factory: pytest.TempPat
     return run_dir
 
 
-@pytest.fixture
-def copy(first: Path, tmp_path: Path) -> Path:
-    run_dir = tmp_path / "run"
-    shutil.copytree(first, run_dir)
-    config = json.loads((run_dir / "config.json").read_text())
-    (run_dir / "config.json").write_text(json.dumps(config | {"run_dir": str(run_dir)}))
-    for ckpt in (run_dir / "checkpoints").iterdir():  # as if trained here (run_dir unchanged)
+def _copy_of(first: Path, folder: Path, *where: str) -> Path:
+    """A copy of the first run in `folder`, as if trained with the overrides `where` (run_dir
+    and storage.*: its configs say so)."""
+    shutil.copytree(first, folder)
+    at = to_dict(apply_overrides(PRESETS["tiny"], list(where)))
+    placed = {"run_dir": at["run_dir"], "storage": at["storage"]}
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | placed))
+    for ckpt in (folder / "checkpoints").iterdir():
         state = json.loads((ckpt / "trainer_state.json").read_text())
-        state["config"]["run_dir"] = str(run_dir)
+        state["config"] |= placed
         (ckpt / "trainer_state.json").write_text(json.dumps(state))
         (ckpt / "COMPLETE").write_text(f"ok sha256={write_checksums(ckpt)}\n")
-    return run_dir
+    return folder
 
 
-def _snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.relative_to(folder).as_posix(): p.read_bytes()
-            for p in sorted(folder.rglob("*")) if p.is_file()}
+@pytest.fixture
+def copy(first: Path, store: Store, tmp_path: Path) -> RunFolder:
+    """The first run at `store` (a local folder or an S3 prefix), as if trained there."""
+    return place_run(_copy_of(first, tmp_path / "copy", *run_overrides(store, tmp_path)), store,
+                     tmp_path)
+
+
+@pytest.fixture
+def where(store: Store, tmp_path: Path) -> RunFolder:
+    """An empty run_dir: a local folder or an S3 prefix."""
+    return run_folder(store, tmp_path)
+
+
+def _snapshot(store: Store) -> dict[str, bytes]:
+    return {name: storage.read_bytes(store, name) for name in storage.list_files(store)}
 
 
 # ------------------------------------------------------------------ nothing deleted unasked
 
 
-def test_resume_mode_none_refuses_a_run_folder_and_deletes_nothing(copy, tiny_dir,
-                                                                   small_run) -> None:
-    before = _snapshot(copy)
+def test_resume_mode_none_refuses_a_run_folder_and_deletes_nothing(copy, tiny_dir, small_run,
+                                                                   tmp_path) -> None:
+    before = _snapshot(copy.store)
     with pytest.raises(RunFolderExists) as info:
-        start(_config(tiny_dir, small_run, copy, "trainer.resume_mode=none"), log=_quiet)
+        start(_at(tiny_dir, small_run, copy, tmp_path, "trainer.resume_mode=none"), log=_quiet)
     assert str(info.value) == (
-        f"run_dir {copy} is not empty ({HELD}) and trainer.resume_mode=none starts a new run "
-        "there, which would delete it: add trainer.overwrite=true to remove it, or choose "
+        f"run_dir {copy.where} is not empty ({HELD}) and trainer.resume_mode=none starts a new "
+        "run there, which would delete it: add trainer.overwrite=true to remove it, or choose "
         "another run_dir (trainer.resume_mode=latest continues it)")
-    assert _snapshot(copy) == before
+    assert _snapshot(copy.store) == before
 
 
-def test_overwrite_says_what_it_removes_then_starts_over(copy, tiny_dir, small_run) -> None:
+def test_overwrite_says_what_it_removes_then_starts_over(copy, tiny_dir, small_run,
+                                                         tmp_path) -> None:
     lines: list[str] = []
-    config = _config(tiny_dir, small_run, copy, "trainer.resume_mode=none",
-                     "trainer.overwrite=true", "trainer.total_steps=1")
+    config = _at(tiny_dir, small_run, copy, tmp_path, "trainer.resume_mode=none",
+                 "trainer.overwrite=true", "trainer.total_steps=1")
     train(config, log=lines.append).session.close()
-    assert lines[0] == f"trainer.overwrite=true: removing {copy}: {HELD}"
-    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == [
-        "global_step_0", "global_step_1"]
-    assert [r["step"] for r in read_metrics(copy)] == [0, 1, 1]
+    assert lines[0] == f"trainer.overwrite=true: removing {copy.where}: {HELD}"
+    assert storage.list_dir(copy.store, "checkpoints") == ["global_step_0", "global_step_1"]
+    assert [r["step"] for r in read_metrics(copy.local)] == [0, 1, 1]
 
 
-def test_latest_without_an_intact_checkpoint_is_refused(copy, tiny_dir, small_run) -> None:
-    shutil.rmtree(copy / "checkpoints")
+def test_latest_without_an_intact_checkpoint_is_refused(copy, tiny_dir, small_run,
+                                                        tmp_path) -> None:
+    storage.delete(copy.store, "checkpoints")
     held = ("2 eval results, 2 step records, metrics.jsonl (4 rows), "
             "latest_checkpointed_iteration.txt")  # config.json, manifest.json: a start's first
     with pytest.raises(RunFolderExists) as info:
-        start(_config(tiny_dir, small_run, copy), log=_quiet)
+        start(_at(tiny_dir, small_run, copy, tmp_path), log=_quiet)
     assert str(info.value) == (
-        f"run_dir {copy} holds a run ({held}) but no intact checkpoint to resume from "
+        f"run_dir {copy.where} holds a run ({held}) but no intact checkpoint to resume from "
         "(trainer.resume_mode=latest): add trainer.overwrite=true to remove it and start over, "
         "or choose another run_dir")
     lines: list[str] = []
-    trainer = start(_config(tiny_dir, small_run, copy, "trainer.overwrite=true"), lines.append)
+    trainer = start(_at(tiny_dir, small_run, copy, tmp_path, "trainer.overwrite=true"),
+                    lines.append)
     trainer.session.close()
-    assert lines == [f"trainer.overwrite=true: removing {copy}: {held}"]
-    assert trainer.step == 0 and (copy / "checkpoints" / "global_step_0" / "COMPLETE").is_file()
+    assert lines == [f"trainer.overwrite=true: removing {copy.where}: {held}"] + (
+        [f"run directory {copy.where} (working copy {copy.local})"] if copy.store.s3 else [])
+    assert trainer.step == 0 and storage.folder_complete(copy.store, "checkpoints/global_step_0")
 
 
-def test_latest_starts_fresh_over_what_a_start_writes_first(tiny_dir, small_run,
+def test_latest_starts_fresh_over_what_a_start_writes_first(where, tiny_dir, small_run,
                                                             tmp_path) -> None:
     """A run killed before its step-0 checkpoint left config.json and manifest.json only."""
-    run_dir = tmp_path / "run"
-    run_dir.mkdir()
-    (run_dir / "config.json").write_text("{}")
-    (run_dir / "manifest.json").write_text("{}")
+    storage.write_bytes(where.store, "config.json", b"{}")
+    storage.write_bytes(where.store, "manifest.json", b"{}")
     lines: list[str] = []
-    trainer = start(_config(tiny_dir, small_run, run_dir), lines.append)
+    trainer = start(_at(tiny_dir, small_run, where, tmp_path), lines.append)
     trainer.session.close()
-    assert lines == [] and trainer.step == 0
-    assert json.loads((run_dir / "config.json").read_text())["run_dir"] == str(run_dir)
+    assert _opening(lines) == [] and trainer.step == 0
+    assert storage.read_json(where.store, "config.json")["run_dir"] == where.where
 
 
-def test_from_path_into_another_folder(copy, tiny_dir, small_run, tmp_path) -> None:
-    ckpt = copy / "checkpoints" / "global_step_1"
-    other = tmp_path / "other"
-    other.mkdir()
-    (other / "notes.txt").write_text("mine")
+def test_from_path_into_another_folder(first, where, tiny_dir, small_run, tmp_path) -> None:
+    ckpt = first / "checkpoints" / "global_step_1"
+    storage.write_bytes(where.store, "notes.txt", b"mine")
     path = ["trainer.resume_mode=from_path", f"trainer.resume_path={ckpt}"]
     with pytest.raises(RunFolderExists) as info:
-        start(_config(tiny_dir, small_run, other, *path), log=_quiet)
+        start(_at(tiny_dir, small_run, where, tmp_path, *path), log=_quiet)
     assert str(info.value) == (
-        f"run_dir {other} is not empty (notes.txt) and is not the run of trainer.resume_path="
-        f"{ckpt}: add trainer.overwrite=true to remove it, or choose another run_dir")
-    (other / "notes.txt").unlink()
+        f"run_dir {where.where} is not empty (notes.txt) and is not the run of "
+        f"trainer.resume_path={ckpt}: add trainer.overwrite=true to remove it, or choose another "
+        "run_dir")
+    storage.delete(where.store, "notes.txt")
     lines: list[str] = []
-    trainer = start(_config(tiny_dir, small_run, other, *path), lines.append)
+    trainer = start(_at(tiny_dir, small_run, where, tmp_path, *path), lines.append)
     trainer.session.close()
-    assert lines == [f"copied {ckpt} to {other / 'checkpoints' / 'global_step_1'}",
-                     f'resuming with changed settings: run_dir "{copy}" -> "{other}"; '
-                     "config.json updated",
-                     f"resumed from {other / 'checkpoints' / 'global_step_1'} at step 1"]
-    assert trainer.step == 1 and (other / "config.json").is_file()
+    copied = where.local / "checkpoints" / "global_step_1"
+    assert _opening(lines) == [f"copied {ckpt} to {copied}",
+                               "resuming with changed settings: "
+                               f"{moved(first, where.store, tmp_path)}; config.json updated",
+                               f"resumed from {copied} at step 1"]
+    assert trainer.step == 1 and (where.local / "config.json").is_file()
 
 
-def test_from_path_refuses_a_damaged_checkpoint_in_one_line(copy, tiny_dir, small_run,
+def test_from_path_refuses_a_damaged_checkpoint_in_one_line(first, where, tiny_dir, small_run,
                                                             tmp_path) -> None:
-    ckpt = copy / "checkpoints" / "global_step_1"
+    ckpt = tmp_path / "global_step_1"
+    shutil.copytree(first / "checkpoints" / "global_step_1", ckpt)
     (ckpt / "state" / "session.json").unlink()
     with pytest.raises(CheckpointUnusable) as info:
-        start(_config(tiny_dir, small_run, tmp_path / "new", "trainer.resume_mode=from_path",
-                      f"trainer.resume_path={ckpt}"), log=_quiet)
+        start(_at(tiny_dir, small_run, where, tmp_path, "trainer.resume_mode=from_path",
+                  f"trainer.resume_path={ckpt}"), log=_quiet)
     assert str(info.value) == (f"trainer.resume_path={ckpt}: state/session.json is missing: "
                                "not resuming from it")
-    assert not (tmp_path / "new").exists()
+    assert storage.list_files(where.store) == []
+    assert where.store.s3 or not where.local.exists()  # nothing made (an S3 working copy: empty)
 
 
 def test_sft_refuses_a_run_folder_unless_sft_overwrite(tiny_dir, small_run, tmp_path) -> None:
@@ -184,7 +220,8 @@ def test_sft_refuses_a_run_folder_unless_sft_overwrite(tiny_dir, small_run, tmp_
     assert verify_folder(model) == "" and len(read_metrics(run_dir)) == 1
 
 
-def test_the_cli_refuses_in_one_line(copy, tiny_dir, small_run) -> None:
+def test_the_cli_refuses_in_one_line(first, tiny_dir, small_run, tmp_path) -> None:
+    copy = _copy_of(first, tmp_path / "run", f"run_dir={tmp_path / 'run'}")
     args = small_run + RUN + [f"model.name={tiny_dir}", f"run_dir={copy}",
                               "trainer.resume_mode=none"]
     done = subprocess.run([sys.executable, "-m", "workbench", "train", *args],
@@ -199,35 +236,37 @@ def test_the_cli_refuses_in_one_line(copy, tiny_dir, small_run) -> None:
 # ------------------------------------------------------------------ resume and the config
 
 
-def test_resume_refuses_a_changed_config_naming_each_key(copy, tiny_dir, small_run) -> None:
-    before = _snapshot(copy)
-    config = _config(tiny_dir, small_run, copy, "algorithm.learning_rate=3e-4", "lora.rank=8",
-                     "trainer.total_steps=3")
+def test_resume_refuses_a_changed_config_naming_each_key(copy, tiny_dir, small_run,
+                                                         tmp_path) -> None:
+    before = _snapshot(copy.store)
+    config = _at(tiny_dir, small_run, copy, tmp_path, "algorithm.learning_rate=3e-4",
+                 "lora.rank=8", "trainer.total_steps=3")
     with pytest.raises(ResumeConfigChanged) as info:
         start(config, log=_quiet)
     assert str(info.value) == (
-        f"cannot resume from {copy / 'checkpoints' / 'global_step_2'} with another config: "
+        f"cannot resume from {copy.local / 'checkpoints' / 'global_step_2'} with another config: "
         "lora.rank 4 -> 8, algorithm.learning_rate 0.001 -> 0.0003. Only "
         f"{', '.join(RESUMABLE)} may change on resume. Start a new run with another run_dir, "
         "or start this one over with trainer.resume_mode=none trainer.overwrite=true (which "
         "deletes it)")
-    assert _snapshot(copy) == before  # config.json too
+    assert _snapshot(copy.store) == before  # config.json too
 
 
 def test_resume_with_allowed_changes_logs_them_and_updates_config_json(copy, tiny_dir,
-                                                                       small_run) -> None:
+                                                                       small_run,
+                                                                       tmp_path) -> None:
     lines: list[str] = []
-    config = _config(tiny_dir, small_run, copy, "trainer.total_steps=3", "eval.n_mazes=3",
-                     "trainer.eval_interval=5", "trainer.resume_mode=latest")
+    config = _at(tiny_dir, small_run, copy, tmp_path, "trainer.total_steps=3", "eval.n_mazes=3",
+                 "trainer.eval_interval=5", "trainer.resume_mode=latest")
     trainer = train(config, log=lines.append)
     trainer.session.close()
-    assert lines[:2] == [
+    assert _opening(lines)[:2] == [
         "resuming with changed settings: eval.n_mazes 2 -> 3, trainer.eval_interval 0 -> 5, "
         "trainer.total_steps 2 -> 3; config.json updated",
-        f"resumed from {copy / 'checkpoints' / 'global_step_2'} at step 2"]
-    saved = json.loads((copy / "config.json").read_text())
+        f"resumed from {copy.local / 'checkpoints' / 'global_step_2'} at step 2"]
+    saved = storage.read_json(copy.store, "config.json")
     assert (saved["trainer"]["total_steps"], saved["eval"]["n_mazes"]) == (3, 3)
-    assert trainer.step == 3 and read_metrics(copy)[-1]["eval/n_mazes"] == 3
+    assert trainer.step == 3 and read_metrics(copy.local)[-1]["eval/n_mazes"] == 3
 
 
 # ------------------------------------------------------------------ intervals
@@ -263,57 +302,3 @@ def test_intervals_of_zero_mean_never(tiny_dir, small_run, tmp_path) -> None:
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "exports").exists()
     assert not (tmp_path / "latest_checkpointed_iteration.txt").exists()
     assert _eval_steps(tmp_path) == [0, 2]
-
-
-# ------------------------------------------------------------------ S3 prefixes
-
-
-def _checkpoint_like(root: Path, step: int) -> Path:
-    def write(tmp: Path) -> None:
-        (tmp / "state").mkdir()
-        (tmp / "state" / "weights.bin").write_bytes(bytes(range(256)) * (step + 1))
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-    return atomic_folder(root / f"global_step_{step}", write)
-
-
-def test_s3_prefix_is_not_cleared_unasked(s3_server, s3_bucket, tmp_path) -> None:
-    run_dir = f"{s3_bucket}/runs/a"
-    store = storage.open_store(run_dir, s3_server)
-    storage.put_folder(store, "checkpoints/global_step_0", _checkpoint_like(tmp_path / "c", 0))
-    storage.write_bytes(store, "metrics.jsonl", b'{"step": 0}\n{"step": 1}\n')
-    storage.write_json(store, "config.json", {})
-    wc = str(tmp_path / "wc")
-    with pytest.raises(RunFolderExists) as info:
-        storage.open_run_dir(run_dir, "none", s3_server, wc, log=_quiet)
-    held = "1 checkpoint, metrics.jsonl (2 rows), config.json"
-    assert str(info.value) == (
-        f"run_dir {run_dir} is not empty ({held}) and trainer.resume_mode=none starts a new run "
-        "there, which would delete it: add trainer.overwrite=true to remove it, or choose "
-        "another run_dir (trainer.resume_mode=latest continues it)")
-    assert storage.list_dir(store) == ["checkpoints", "config.json", "metrics.jsonl"]
-    lines: list[str] = []
-    local = storage.open_run_dir(run_dir, "none", s3_server, wc, lines.append, overwrite=True)
-    assert lines == [f"trainer.overwrite=true: removing {run_dir}: {held}",
-                     f"run directory {run_dir} (working copy {wc})"]
-    assert storage.list_dir(store) == [] and storage.run_contents(storage.open_store(local)) == ""
-
-
-def test_s3_resume_skips_a_damaged_checkpoint(s3_server, s3_bucket, tmp_path) -> None:
-    store = storage.open_store(f"{s3_bucket}/runs/b", s3_server)
-    for step in (1, 2):
-        storage.put_folder(store, f"checkpoints/global_step_{step}",
-                           _checkpoint_like(tmp_path / "c", step))
-    storage.put_folder(store, "checkpoints/global_step_9_old", _checkpoint_like(tmp_path / "d", 9))
-    marker = storage.read_bytes(store, "checkpoints/global_step_2/COMPLETE").decode()
-    local_marker = (tmp_path / "c" / "global_step_2" / "COMPLETE").read_text().strip()
-    assert marker.startswith(local_marker + " upload=")  # the manifest's sha256 survives upload
-    storage.write_bytes(store, "checkpoints/global_step_2/state/weights.bin", b"\0" * 768)
-    lines: list[str] = []
-    newest = storage.fetch_run(store, tmp_path / "wc", lines.append)
-    assert newest == tmp_path / "wc" / "checkpoints" / "global_step_1"
-    assert verify_folder(newest) == ""
-    assert lines == [
-        f"skipping checkpoint global_step_2 on {store.root}: state/weights.bin is damaged "
-        "(sha256 mismatch)",
-        f"downloaded checkpoint global_step_1 from {store.root}"]
-    assert not (tmp_path / "wc" / "checkpoints" / "global_step_2").exists()

@@ -23,6 +23,7 @@ from workbench import registry, storage
 from workbench.config import PRESETS, apply_overrides
 from workbench.rl.train import train
 from workbench.run import read_metrics
+from workbench.runfolder import LATEST
 
 
 def _folder(tmp_path: Path) -> Path:
@@ -113,12 +114,12 @@ def test_run_dir_on_s3_is_mirrored_and_resumed_from_s3(
     train(config, log=lambda *_: None)
     store = storage.open_store(run_dir, s3_server)
     assert storage.list_dir(store) == ["checkpoints", "config.json", "eval", "exports",
-                                       storage.LATEST, "manifest.json", "metrics.jsonl",
+                                       LATEST, "manifest.json", "metrics.jsonl",
                                        "session_spec.json", "steps"]
     assert storage.list_dir(store, "checkpoints") == [f"global_step_{s}" for s in (0, 1, 2)]
     assert all(storage.folder_complete(store, f"checkpoints/global_step_{s}") for s in (0, 1, 2))
     assert storage.list_dir(store, "exports") == ["global_step_1", "global_step_2"]
-    assert storage.read_bytes(store, storage.LATEST).decode().strip() == "2"
+    assert storage.read_bytes(store, LATEST).decode().strip() == "2"
     first = read_metrics(tmp_path / "wc1")
     assert storage.read_bytes(store, "metrics.jsonl") == \
         (tmp_path / "wc1" / "metrics.jsonl").read_bytes()
@@ -134,7 +135,7 @@ def test_run_dir_on_s3_is_mirrored_and_resumed_from_s3(
     resumed = apply_overrides(PRESETS["tiny"], base + ["trainer.total_steps=3",
                                                        f"storage.local_dir={tmp_path / 'wc2'}"])
     trainer = train(resumed, log=logs.append)
-    assert "skipping incomplete checkpoint global_step_9" in " ".join(logs)
+    assert "skipping checkpoint global_step_9: incomplete (no COMPLETE marker" in " ".join(logs)
     assert any(line.startswith("resumed from") and "global_step_2" in line for line in logs)
     assert trainer.step == 3 and trainer.run_dir == tmp_path / "wc2"
     rows = read_metrics(tmp_path / "wc2")

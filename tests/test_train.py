@@ -16,11 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import place_run, run_folder, run_overrides
 from safetensors.torch import load_file
 
+from workbench import storage
 from workbench.config import PRESETS, apply_overrides
 from workbench.rl.replay import replay
 from workbench.run import read_metrics
+from workbench.runfolder import find_checkpoint
+from workbench.storage import Store
 
 SMALL = [  # conftest's SMALL_RUN
     "env.size=7", "generator.max_turns=10", "generator.max_tokens=2",
@@ -62,28 +66,34 @@ def straight_run(sft_model: str, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 
 def test_killed_run_resumes_to_identical_metrics(straight_run: Path, sft_model: str,
-                                                 tmp_path: Path) -> None:
-    run_dir = tmp_path / "killed"
-    overrides = _overrides(sft_model, run_dir, RESUME + ["trainer.resume_mode=latest"])
-    proc = _train_cli(overrides, _env())
-    marker = run_dir / "checkpoints" / "global_step_2" / "COMPLETE"
+                                                 store: Store, tmp_path: Path) -> None:
+    """SIGKILL after the step-2 checkpoint (on S3: once it is uploaded), then the same command
+    ends as the straight run. On S3 the resume starts from a new working copy: S3 alone."""
+    def command(at: Path) -> list[str]:
+        return SMALL + [f"model.name={sft_model}", *run_overrides(store, at), *RESUME,
+                        "trainer.resume_mode=latest"]
+
+    proc = _train_cli(command(tmp_path / "killed"), _env())
     deadline = time.monotonic() + 600
-    while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not storage.folder_complete(store, "checkpoints/global_step_2") and \
+            proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)  # waiting for an event (the checkpoint), not for time to pass
-    assert marker.exists(), "the run never wrote its step-2 checkpoint"
+    assert storage.folder_complete(store, "checkpoints/global_step_2"), "no step-2 checkpoint"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert not (run_dir / "exports" / "global_step_4").exists(), "killed too late to test"
-    resumed = _train_cli(overrides, _env())
+    killed = run_folder(store, tmp_path / "killed").local
+    assert not (killed / "exports" / "global_step_4").exists(), "killed too late to test"
+    resumed = _train_cli(command(tmp_path / "again"), _env())
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
     [resumed_line] = [line for line in out.splitlines() if line.startswith("resumed from")]
     assert resumed_line.endswith("at step 2"), out  # (a line on leftovers of the kill may precede)
-    straight, again = read_metrics(straight_run), read_metrics(run_dir)
-    assert [r["step"] for r in again] == [r["step"] for r in straight]
-    assert _comparable(again) == _comparable(straight)
+    again = run_folder(store, tmp_path / "again").local
+    straight, rows = read_metrics(straight_run), read_metrics(again)
+    assert [r["step"] for r in rows] == [r["step"] for r in straight]
+    assert _comparable(rows) == _comparable(straight)
     a = load_file(str(straight_run / "exports/global_step_4/adapter_model.safetensors"))
-    b = load_file(str(run_dir / "exports/global_step_4/adapter_model.safetensors"))
+    b = load_file(str(again / "exports/global_step_4/adapter_model.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -107,17 +117,12 @@ def test_replay_reproduces_logged_update(straight_run: Path, step: int) -> None:
     assert result.exact
 
 
-def test_truncated_checkpoint_is_skipped(straight_run: Path, tmp_path: Path) -> None:
-    import shutil
-
-    from workbench.rl.train import find_checkpoint
-
-    run_dir = tmp_path / "copy"
-    shutil.copytree(straight_run, run_dir)
-    (run_dir / "checkpoints/global_step_4/COMPLETE").unlink()  # as if killed mid-write
-    (run_dir / "latest_checkpointed_iteration.txt").write_text("4\n")
+def test_truncated_checkpoint_is_skipped(straight_run: Path, store: Store, tmp_path: Path) -> None:
+    folder = place_run(straight_run, store, tmp_path)
+    storage.delete(store, "checkpoints/global_step_4/COMPLETE")  # as if killed mid-write
+    storage.write_bytes(store, "latest_checkpointed_iteration.txt", b"4\n")
     messages: list[str] = []
-    assert find_checkpoint(run_dir, messages.append).name == "global_step_2"
+    assert find_checkpoint(folder, messages.append).name == "global_step_2"
     assert "incomplete" in messages[0]
 
 

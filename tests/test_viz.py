@@ -37,7 +37,7 @@ from workbench.notebook import comparable
 from workbench.notebook_checks import jsonable, read_recorded, record_metrics
 from workbench.rl import FAILURE_REASONS, failure_reason, play_scripted, wasted_turns
 from workbench.rl.inspect import module_name, ratio_stats
-from workbench.run import episode_summary
+from workbench.rl.rollout import episode_summary
 from workbench.session.losses import LossConfig
 from workbench.viz import (
     PALETTE,

@@ -133,7 +133,7 @@ class TrainerConfig:
     run_dir (or its s3:// prefix) holds anything, unless trainer.overwrite. from_path: continue
     from the checkpoint at trainer.resume_path. Resuming refuses a config that differs from the
     checkpoint's in any key but total_steps, the intervals, keep_step_records, eval.*,
-    cluster.*, storage.*, sft.*, run_dir and the memory settings (rl/checkpoints.RESUMABLE)."""
+    cluster.*, storage.*, sft.*, run_dir and the memory settings (runfolder.RESUMABLE)."""
     resume_path: str = ""
     """Checkpoint folder for resume_mode=from_path."""
     overwrite: bool = False

@@ -28,6 +28,7 @@ from typing import Any
 from workbench.cluster.connect import prepare_environment
 from workbench.config import PRESETS, apply_overrides
 from workbench.deps import require
+from workbench.storage import open_store
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")  # a job in one of these will not change again
 
@@ -63,7 +64,7 @@ def job_overrides(overrides: list[str], preset: str = "tiny") -> list[str]:
     """The overrides with run_dir (and a local model folder) absolute, and cluster.address=auto
     unless given. Validates them here, before anything is submitted."""
     config = apply_overrides(PRESETS[preset], overrides)
-    fixed = {"run_dir": str(Path(config.run_dir).resolve())}
+    fixed = {"run_dir": open_store(config.run_dir).root}  # a folder made absolute, or s3://
     if Path(config.model.name).exists():
         fixed["model.name"] = str(Path(config.model.name).resolve())
     keep = [o for o in overrides if o.split("=", 1)[0].strip().removeprefix("--") not in fixed]

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench import storage
+from workbench.runfolder import EXPORTS, step_of
 from workbench.storage import Store
 
 ADAPTERS = "adapters"
@@ -110,10 +111,10 @@ def _run_and_step(export: str) -> tuple[str, int | None]:
     """<run>/exports/global_step_N -> (<run>, N); ("", None) for another layout."""
     parent, _, leaf = export.rstrip("/").rpartition("/")
     run, _, exports = parent.rpartition("/")
-    if exports != "exports" or not leaf.startswith("global_step_"):
+    step = step_of(leaf)
+    if exports != EXPORTS or step is None:
         return "", None
-    return run if storage.is_s3(run) else str(Path(run or ".").resolve()), \
-        int(leaf.rsplit("_", 1)[1])
+    return run if storage.is_s3(run) else str(Path(run or ".").resolve()), step
 
 
 def _run_eval(run: str, step: int | None, endpoint_url: str) -> dict[str, dict[str, float]]:
@@ -235,4 +236,8 @@ def fetch_adapter(source: str | Path, endpoint_url: str = "",
                   cache: str | Path | None = None) -> Path:
     """A local adapter folder for a local path or an s3://.../adapters/<name> URL (downloaded
     into the cache once per upload; a torn upload is refused)."""
-    return storage.fetch_folder(source, adapter_cache(cache), endpoint_url)
+    if not storage.is_s3(source):
+        return Path(source)
+    parent, _, name = str(source).rstrip("/").rpartition("/")
+    return storage.cached_folder(storage.open_store(parent, endpoint_url), name,
+                                 adapter_cache(cache))

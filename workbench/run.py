@@ -1,13 +1,11 @@
-"""The run directory: config, manifest, metrics, eval results, step records, checkpoints.
+"""What a run writes into its folder besides checkpoints: config, manifest, metrics, eval
+results, step records (the layout and the checkpoints: workbench.runfolder).
 
     run_dir/
       config.json  manifest.json  metrics.jsonl          flat namespaced scalars, one row a step
       tensorboard/  mlflow.db  mlflow_run.json           the same rows, with trainer.logger
       eval/step_000010.json                              per-maze outcomes of each evaluation
       steps/step_000007/{episodes.json,datums.safetensors}   what step 7 trained on (replay)
-      checkpoints/global_step_20/ (+ COMPLETE)           full state: weights, optimiser, RNGs, step
-      latest_checkpointed_iteration.txt                  written last, SkyRL's marker
-      exports/global_step_20/                            PEFT adapter (adapter_config.json, ...)
 
 Step records keep each datum's tokens and side tables as safetensors and each image as the
 (maze, position) it was rendered from, so `replay` rebuilds the exact batch without pickles.
@@ -33,10 +31,7 @@ from workbench import loggers
 from workbench.envs import Maze, render_image
 from workbench.loggers import read_metrics
 from workbench.policy import Stream, encode_image
-from workbench.rl.rollout import Episode
 from workbench.session.types import Datum
-
-LATEST = "latest_checkpointed_iteration.txt"
 
 
 def _versions() -> dict[str, str]:
@@ -98,20 +93,14 @@ def truncate_metrics(run_dir: Path, last_step: int) -> None:
     loggers.restart(run_dir, last_step + 1)
 
 
-def episode_summary(ep: Episode) -> dict[str, Any]:
-    """What a viewer needs of an episode (no tokens)."""
-    return {"init_state": ep.init_state.to_dict(), "replies": ep.replies,
-            "actions": [a.kind if a.kind != "move" else f"move:{a.direction}" for a in ep.actions],
-            "feedback": ep.feedback, "positions": [list(p) for p in ep.positions],
-            "reward": ep.reward, "success": ep.success, "turns": ep.turns}
-
-
-def save_step_record(folder: Path, episodes_P_G: list[list[Episode]], rewards_P_G: np.ndarray,
-                     advantages_P_G: np.ndarray, datum_index: list[tuple[int, int]],
-                     datums: list[Datum], extra: dict[str, Any]) -> None:
-    """episodes.json (all episodes, rewards, advantages) + datums.safetensors (the batch)."""
+def save_step_record(folder: Path, episodes_P_G: list[list[dict[str, Any]]],
+                     rewards_P_G: np.ndarray, advantages_P_G: np.ndarray,
+                     datum_index: list[tuple[int, int]], datums: list[Datum],
+                     extra: dict[str, Any]) -> None:
+    """episodes.json (every episode's summary, rl.rollout.episode_summary; rewards, advantages)
+    + datums.safetensors (the batch)."""
     folder.mkdir(parents=True, exist_ok=True)
-    record = {"episodes_P_G": [[episode_summary(ep) for ep in g] for g in episodes_P_G],
+    record = {"episodes_P_G": episodes_P_G,
               "rewards_P_G": rewards_P_G.tolist(), "advantages_P_G": advantages_P_G.tolist(),
               "datum_index": datum_index} | extra
     tensors: dict[str, torch.Tensor] = {}

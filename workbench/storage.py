@@ -1,4 +1,4 @@
-"""Storage: one interface over a local folder or an S3 prefix, and run directories on S3.
+"""Storage: one interface over a local folder or an S3 prefix.
 
     store = open_store("s3://bucket/runs/a", endpoint_url="http://127.0.0.1:9000")
     put_folder(store, "exports/global_step_4", Path("runs/a/exports/global_step_4"))
@@ -10,15 +10,8 @@ S3 goes through boto3 with the usual AWS settings: credentials and region from t
 AWS itself. Folders are uploaded file by file with their `COMPLETE` marker last (an existing
 marker is deleted first), so a torn upload is never taken as complete: `get_folder` refuses a
 folder without it. Credentials are never stored here: reprs show only the URL, and S3 errors
-become `StorageError`s whose text is scrubbed of any key this process knows.
-
-A run directory at `run_dir=s3://...` is trained in a local working copy (`open_run_dir`);
-`mirror_run` uploads what is new after each step (checkpoints and exports as whole folders,
-metrics, eval results, step records, then the latest-checkpoint marker). Resuming from S3
-downloads the newest intact checkpoint first (plus config, manifest, metrics, eval results).
-Nothing is deleted unasked: a start that would remove what a run folder or S3 prefix holds is
-refused (`RunFolderExists`, naming the key that allows it) unless that key is set, and then
-what is removed is listed in one line (`run_contents`, `clear_or_refuse`).
+become `StorageError`s whose text is scrubbed of any key this process knows. What a run folder
+holds, and how a run opens one here or on S3, is `workbench.runfolder`.
 """
 
 from __future__ import annotations
@@ -29,18 +22,16 @@ import re
 import shutil
 import tempfile
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from workbench.deps import require
+from workbench.session.checkpoint import COMPLETE
 
-COMPLETE = "COMPLETE"  # the same marker as workbench.session.checkpoint
-LATEST = "latest_checkpointed_iteration.txt"  # the same marker as workbench.run
-MIRROR_STATE = ".mirror-state.json"  # in a working copy: what has been uploaded already
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
 
@@ -50,10 +41,6 @@ class StorageError(RuntimeError):
 
 class IncompleteUpload(StorageError):
     """A folder without its COMPLETE marker: interrupted upload or write."""
-
-
-class RunFolderExists(StorageError):
-    """A start that would delete what a run folder (or S3 prefix) holds without being asked."""
 
 
 def is_s3(url: str | Path) -> bool:
@@ -108,11 +95,6 @@ def open_store(root: str | Path, endpoint_url: str = "") -> Store:
             raise StorageError(f"{text!r} names no bucket: use s3://bucket/prefix")
         return Store(text.rstrip("/"), endpoint_url)
     return Store(str(Path(text).expanduser().resolve()), endpoint_url)
-
-
-def child(store: Store, *parts: str) -> Store:
-    """The store rooted at a sub-folder (sub-prefix)."""
-    return Store(url(store, *parts), store.endpoint_url)
 
 
 def url(store: Store, *parts: str) -> str:
@@ -367,188 +349,3 @@ def cached_folder(store: Store, key: str, cache: Path) -> Path:
     if (local / COMPLETE).is_file() and (local / COMPLETE).read_text().strip() == token:
         return local
     return get_folder(store, key, local)
-
-
-def fetch_folder(source: str | Path, cache: Path, endpoint_url: str = "") -> Path:
-    """A local copy of a folder: a local path is returned as it is; s3://... goes through
-    `cached_folder` (downloaded into `cache` once per upload; a torn upload is refused)."""
-    if not is_s3(source):
-        return Path(source)
-    parent, _, name = str(source).rstrip("/").rpartition("/")
-    return cached_folder(open_store(parent, endpoint_url), name, cache)
-
-
-# ------------------------------------------------------------------------- run directories
-
-
-def working_copy_path(run_dir: str, local_dir: str = "") -> Path:
-    """Local folder where an s3:// run is trained: local_dir, else
-    $WORKBENCH_CACHE/runs/<bucket>/<prefix>."""
-    if local_dir:
-        return Path(local_dir)
-    from workbench.model.tiny import cache_root
-
-    return cache_root() / "runs" / run_dir[5:].strip("/")
-
-
-STEP_FOLDER = re.compile(r"global_step_(\d+)")  # checkpoints/ and exports/ entries
-TEMPORARY = re.compile(r"\.state-tmp|\..+\.tmp-.*")  # interrupted atomic writes (our own)
-STARTUP_FILES = ("config.json", "manifest.json", "session_spec.json")
-"""What a start writes before its first checkpoint (kept out of the question "is there a run
-here" when resume_mode=latest finds nothing to resume)."""
-_COUNTED = {"checkpoints": "checkpoint", "exports": "export", "eval": "eval result",
-            "steps": "step record"}
-
-
-def run_contents(store: Store, ignore: tuple[str, ...] = ()) -> str:
-    """What a run folder or S3 prefix holds, in one phrase ("" when nothing): counts for
-    checkpoints, exports, eval results and step records, metrics.jsonl with its rows, then
-    every other name, e.g. "3 checkpoints, 2 exports, metrics.jsonl (12 rows), config.json".
-    Temporary folders of interrupted writes, a working copy's upload record and `ignore`d
-    names are left out."""
-    counted, others = {}, []
-    for name in list_dir(store):
-        if name in ignore or name == MIRROR_STATE or TEMPORARY.fullmatch(name):
-            continue
-        if name in _COUNTED:
-            n = len([e for e in list_dir(store, name) if not TEMPORARY.fullmatch(e)])
-            counted[name] = f"{n} {_COUNTED[name]}{'s' if n != 1 else ''}"
-        elif name == "metrics.jsonl":
-            rows = sum(1 for line in read_bytes(store, name).splitlines() if line.strip())
-            counted[name] = f"metrics.jsonl ({rows} row{'s' if rows != 1 else ''})"
-        else:
-            others.append(name)
-    order = [*_COUNTED, "metrics.jsonl"]
-    return ", ".join([counted[k] for k in order if k in counted] + others)
-
-
-def clear_or_refuse(where: str, contents: str, overwrite: bool, key: str, refusal: str,
-                    remove: Callable[[], None], log: Callable[[str], None] = print) -> None:
-    """Nothing to do when `contents` is ""; else raise RunFolderExists(refusal) unless
-    `overwrite`, in which case log "<key>=true: removing <where>: <contents>" and remove()."""
-    if not contents:
-        return
-    if not overwrite:
-        raise RunFolderExists(refusal)
-    log(f"{key}=true: removing {where}: {contents}")
-    remove()
-
-
-def open_run_dir(run_dir: str, resume_mode: str, endpoint_url: str = "", local_dir: str = "",
-                 log: Callable[[str], None] = print, overwrite: bool = False) -> Path:
-    """The local folder a run writes. A local run_dir is returned as it is (the caller applies
-    the same rules to it). For s3://, a working copy (replaced on every start; a non-empty
-    folder that is not a working copy is refused): resume_mode=latest rebuilds it from S3, the
-    newest intact checkpoint first. An S3 prefix is never cleared unasked: resume_mode=none or
-    from_path on a prefix that holds anything, and latest when the prefix holds a run but no
-    intact checkpoint, raise RunFolderExists unless overwrite (trainer.overwrite), which lists
-    what is removed in one line and empties the prefix."""
-    if not is_s3(run_dir):
-        if Path(run_dir).exists() and not Path(run_dir).is_dir():
-            raise StorageError(f"run_dir {run_dir} is a file, not a folder: choose another "
-                               "run_dir")
-        return Path(run_dir)
-    store, local = open_store(run_dir, endpoint_url), working_copy_path(run_dir, local_dir)
-    if not store.prefix:
-        raise StorageError(f"run_dir={run_dir!r} is a whole bucket: use s3://bucket/prefix")
-    if local.is_dir() and any(local.iterdir()) and not (local / MIRROR_STATE).is_file():
-        raise RunFolderExists(f"the working copy {local} of run_dir={store.root} is a folder "
-                              "that holds other files: choose an empty storage.local_dir")
-
-    def fresh_copy() -> None:
-        if local.exists():
-            shutil.rmtree(local)
-        local.mkdir(parents=True)
-        _save_mirror_state(local, {})  # marks the folder as a working copy
-
-    if resume_mode != "latest":
-        held = run_contents(store)
-        clear_or_refuse(store.root, held, overwrite, "trainer.overwrite", (
-            f"run_dir {store.root} is not empty ({held}) and trainer.resume_mode={resume_mode} "
-            "starts a new run there, which would delete it: add trainer.overwrite=true to remove "
-            "it, or choose another run_dir"
-            + (" (trainer.resume_mode=latest continues it)" if resume_mode == "none" else "")),
-            lambda: delete(store, ""), log)
-        fresh_copy()
-    else:
-        fresh_copy()
-        if fetch_run(store, local, log) is None:
-            held = run_contents(store, ignore=STARTUP_FILES)
-            clear_or_refuse(store.root, held, overwrite, "trainer.overwrite", (
-                f"run_dir {store.root} holds a run ({held}) but no intact checkpoint to resume "
-                "from (trainer.resume_mode=latest): add trainer.overwrite=true to remove it and "
-                "start over, or choose another run_dir"), lambda: delete(store, ""), log)
-            fresh_copy()
-    log(f"run directory {store.root} (working copy {local})")
-    return local
-
-
-def fetch_run(store: Store, local: Path, log: Callable[[str], None] = print) -> Path | None:
-    """Download what resuming needs: the newest intact checkpoint (an incomplete one, or one
-    whose download fails its checksums, is reported in one line and skipped), then config,
-    manifest, metrics, the latest marker and eval results. Returns the checkpoint's local
-    folder (None: there is none)."""
-    from workbench.session.checkpoint import verify_folder
-
-    newest = None
-    steps = {n: int(m[1]) for n in list_dir(store, "checkpoints")
-             if (m := STEP_FOLDER.fullmatch(n))}  # a stray name (global_step_4_old) is not one
-    for name in sorted(steps, key=cast(Callable[[str], int], steps.get), reverse=True):
-        if not folder_complete(store, f"checkpoints/{name}"):
-            log(f"skipping incomplete checkpoint {name} on {store.root}")
-            continue
-        folder = get_folder(store, f"checkpoints/{name}", local / "checkpoints" / name)
-        reason = verify_folder(folder)
-        if not reason:
-            newest = folder
-            log(f"downloaded checkpoint {name} from {store.root}")
-            break
-        log(f"skipping checkpoint {name} on {store.root}: {reason}")
-        shutil.rmtree(folder)
-    wanted = [n for n in ("config.json", "manifest.json", "metrics.jsonl", LATEST)
-              if n in list_dir(store)] + [f"eval/{n}" for n in list_dir(store, "eval")]
-    for name in wanted:
-        get_file(store, name, local / name)
-    _save_mirror_state(local, _local_state(local))  # all of it is on S3 already
-    return newest
-
-
-def _local_state(local: Path) -> dict[str, list[int]]:
-    state = {}
-    for path in local.rglob("*"):
-        rel = path.relative_to(local)
-        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
-            stat = path.stat()
-            state[rel.as_posix()] = [stat.st_size, stat.st_mtime_ns]
-    return state
-
-
-def _save_mirror_state(local: Path, state: dict[str, list[int]]) -> None:
-    (local / MIRROR_STATE).write_text(json.dumps(state))
-
-
-def mirror_run(local: Path, run_dir: str, endpoint_url: str = "") -> list[str]:
-    """Upload what changed in a working copy since the last call; a no-op for a local run_dir.
-    Complete checkpoint and export folders go up whole (COMPLETE last), then other files, then
-    the latest-checkpoint marker. Returns the keys uploaded."""
-    if not is_s3(run_dir):
-        return []
-    store, local = open_store(run_dir, endpoint_url), Path(local)
-    done = json.loads((local / MIRROR_STATE).read_text()) if (local / MIRROR_STATE).exists() \
-        else {}
-    now, sent = _local_state(local), []
-    changed = {k for k, v in now.items() if done.get(k) != v}
-    folders = sorted({"/".join(k.split("/")[:2]) for k in changed
-                      if k.split("/")[0] in ("checkpoints", "exports") and k.count("/") >= 2})
-    for folder in folders:
-        if (local / folder / COMPLETE).is_file():
-            put_folder(store, folder, local / folder)
-            sent.append(folder)
-            done |= {k: now[k] for k in now if k.startswith(folder + "/")}
-    files = sorted(k for k in changed if k.split("/")[0] not in ("checkpoints", "exports"))
-    for key in sorted(files, key=lambda k: k == LATEST):  # the marker last
-        put_file(store, key, local / key)
-        sent.append(key)
-        done[key] = now[key]
-    _save_mirror_state(local, done)
-    return sent

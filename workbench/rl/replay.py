@@ -20,7 +20,7 @@ from workbench.config import RunConfig, from_dict
 from workbench.envs.tasks import TASKS
 from workbench.opener import open_session, session_spec
 from workbench.rl import phases
-from workbench.rl.checkpoints import checkpoint_step, find_checkpoint
+from workbench.runfolder import find_checkpoint, step_of
 from workbench.session import AdamParams, LossConfig
 
 COMPARED = ("update/loss", "update/kl_sampler_trainer", "update/entropy",
@@ -124,7 +124,7 @@ def replay(run_dir: str | Path, step: int) -> ReplayResult:
 def _replay(run_dir: Path, step: int) -> ReplayResult:
     config = from_dict(json.loads((run_dir / "config.json").read_text()))
     ckpt = _checkpoint_before(run_dir, step)
-    start = checkpoint_step(ckpt)
+    start = step_of(ckpt)
     assert start is not None, ckpt  # find_checkpoint returns global_step_N folders only
     session = open_session(session_spec(config, run_dir / "replay"))  # the run's own spec
     tc = session.training_client

@@ -68,6 +68,14 @@ class Episode:
         return len(self.replies)
 
 
+def episode_summary(ep: Episode) -> dict[str, Any]:
+    """What a viewer or a step record needs of an episode (no tokens)."""
+    return {"init_state": ep.init_state.to_dict(), "replies": ep.replies,
+            "actions": [a.kind if a.kind != "move" else f"move:{a.direction}" for a in ep.actions],
+            "feedback": ep.feedback, "positions": [list(p) for p in ep.positions],
+            "reward": ep.reward, "success": ep.success, "turns": ep.turns}
+
+
 def user_text(obs: dict[str, Any], info: dict[str, Any], config: Task) -> str:
     """The user message after the image: feedback (from turn 2), turn budget, ascii maze."""
     parts = [info["feedback"]] if info.get("feedback") else []

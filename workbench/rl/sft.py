@@ -115,26 +115,21 @@ def sft_lr(adam: AdamParams, schedule: str, step: int, steps: int) -> AdamParams
 def run_sft(config: Any, log: Any = print) -> Path:
     """SFT on env.task from config (model, env, generator.max_turns, sft.*) into run_dir;
     returns the exported model folder (`<run_dir>/model`) that GRPO loads as its base. A run_dir
-    that is not empty is refused (storage.RunFolderExists) unless sft.overwrite, which lists what is
-    removed in one line, then removes it."""
-    import shutil
-
+    that is not empty is refused (runfolder.RunFolderExists) unless sft.overwrite, which lists
+    what is removed in one line, then removes it."""
     from workbench import run as rundir
-    from workbench import storage
+    from workbench import runfolder
     from workbench.config import ConfigError, check_loggers, to_dict
     from workbench.opener import check_model, open_session, session_spec
     from workbench.rl.schedule import train_states
+    from workbench.storage import is_s3
 
     check_model(config.model.name)
     check_loggers(config.trainer.logger)
-    if storage.is_s3(config.run_dir):
+    if is_s3(config.run_dir):
         raise ConfigError(f"run_dir={config.run_dir}: sft writes a local folder, not s3://")
     run_dir = Path(config.run_dir)
-    held = storage.run_contents(storage.open_store(run_dir)) if run_dir.is_dir() else ""
-    storage.clear_or_refuse(str(run_dir), held, config.sft.overwrite, "sft.overwrite", (
-        f"run_dir {run_dir} is not empty ({held}) and sft would delete it: add "
-        "sft.overwrite=true to remove it, or choose another run_dir"),
-        lambda: shutil.rmtree(run_dir), log)
+    runfolder.clear_or_refuse(runfolder.local_run(run_dir), "sft", config.sft.overwrite, log)
     run_dir.mkdir(parents=True, exist_ok=True)
     rundir.write_json(run_dir / "config.json", to_dict(config))
     spec = session_spec(config, run_dir, full_finetune=config.sft.full_finetune)

@@ -24,20 +24,14 @@ import numpy as np
 import torch
 
 from workbench import run as rundir
-from workbench import storage
+from workbench import runfolder
 from workbench.config import RunConfig, check_loggers, to_dict
 from workbench.envs.tasks import TASKS
 from workbench.opener import check_model, open_session, session_spec
 from workbench.policy import Stream
 from workbench.rl import phases
-from workbench.rl.checkpoints import (
-    checkpoint_step,
-    find_checkpoint,
-    open_run,
-    save_checkpoint,
-    set_rng_state,
-)
 from workbench.rl.evaluate import turn_rates
+from workbench.rl.rollout import episode_summary
 from workbench.rl.schedule import (
     eval_batch,
     refill_batch,
@@ -65,7 +59,7 @@ class Trainer:
 
 
 def start(config: RunConfig, log: Any = print) -> Trainer:
-    """Open the run folder, then the session. `checkpoints.open_run` deletes nothing unasked
+    """Open the run folder, then the session. `runfolder.open_run` deletes nothing unasked
     (trainer.overwrite), removes temporaries of interrupted writes, picks the newest intact
     checkpoint and refuses a config change outside its allow-list. Resuming loads the
     checkpoint's weights, optimiser, step and RNG states and drops the metric rows logged after
@@ -73,7 +67,7 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     when trainer.ckpt_interval > 0, its step-0 checkpoint."""
     check_model(config.model.name)  # a missing model folder: one line, no run folder touched
     check_loggers(config.trainer.logger)  # a missing logger extra: the same
-    run = open_run(config, log)
+    run = runfolder.open_run(config, log)
     run_dir = run.run_dir
     session = open_session(session_spec(config, run_dir), log)
     trainer = Trainer(config, session, run_dir, step=run.step)
@@ -87,13 +81,13 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
                               [TASKS[config.env.task].reward(config.task), phases.env_reward],
                               threads)
     if run.checkpoint is not None:
-        set_rng_state(run.state["rng"])
+        runfolder.set_rng_state(run.state["rng"])
         rundir.truncate_metrics(run_dir, trainer.step)
         log(f"resumed from {run.checkpoint} at step {trainer.step}")
         return trainer
     if config.trainer.ckpt_interval:
-        save_checkpoint(trainer)
-    storage.mirror_run(run_dir, config.run_dir, config.storage.endpoint_url)  # s3:// run_dir
+        runfolder.save_checkpoint(run_dir, 0, session.training_client, config)
+    runfolder.mirror_run(run_dir, config)  # s3:// run_dir: upload what is new
     return trainer
 
 
@@ -140,7 +134,8 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     row |= speed.result()  # speed/*: 0.0 for a fast path that fell back
     if c.trainer.keep_step_records:
         index = phases.datum_index(ro, adv)
-        rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}", ro.episodes_P_G,
+        rundir.save_step_record(trainer.run_dir / "steps" / f"step_{step:06d}",
+                                [[episode_summary(ep) for ep in g] for g in ro.episodes_P_G],
                                 sc.rewards_P_G, adv.advantages_P_G, index, datums,
                                 {"step": step, "adam": settings.adam.__dict__,
                                  "loss_fn": settings.loss_fn,
@@ -248,8 +243,8 @@ def cluster_lost(config: RunConfig, run_dir: Path, err: BaseException) -> Cluste
     """The error a user sees when the cluster disappears: what was lost, what was kept, and
     the command that continues."""
     steps = [r["step"] for r in rundir.read_metrics(run_dir) if "reward/mean" in r]
-    ckpt = find_checkpoint(run_dir, log=lambda _: None)  # the newest intact one
-    kept = f"{ckpt} (step {checkpoint_step(ckpt)})" if ckpt else "none yet"
+    ckpt = runfolder.find_checkpoint(run_dir, log=lambda _: None)  # the newest intact one
+    kept = f"{ckpt} (step {runfolder.step_of(ckpt)})" if ckpt else "none yet"
     return ClusterLostError(
         f"lost the Ray cluster at {config.cluster.address} after step {max(steps, default=0)} "
         f"({type(err).__name__}: {err}). The run folder {run_dir} is intact; newest complete "
@@ -348,11 +343,10 @@ def _after_step(trainer: Trainer, log: Any) -> None:
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
     if t.hf_save_interval and (step % t.hf_save_interval == 0 or step == t.total_steps):
         trainer.training_client.export_adapter(
-            trainer.run_dir / "exports" / f"global_step_{step}").result()
+            trainer.run_dir / runfolder.EXPORTS / runfolder.step_folder(step)).result()
     if checkpoint_due(trainer.config, step):
-        save_checkpoint(trainer)
-    storage.mirror_run(trainer.run_dir, trainer.config.run_dir,
-                       trainer.config.storage.endpoint_url)  # s3:// run_dir: upload what is new
+        runfolder.save_checkpoint(trainer.run_dir, step, trainer.training_client, trainer.config)
+    runfolder.mirror_run(trainer.run_dir, trainer.config)  # s3:// run_dir: upload what is new
 
 
 def _eval_logged(run_dir: Path, step: int) -> bool:

@@ -31,6 +31,7 @@ from workbench.session.host import ModelHost, trainer_weights
 SESSION_FILE = "session.json"
 COMPLETE = "COMPLETE"
 MANIFEST = "SHA256SUMS.json"  # {"files": {relative path: {"sha256": hex, "size": bytes}}}
+INCOMPLETE = f"incomplete (no {COMPLETE} marker: an interrupted write)"  # a folder's problem
 _MARKER = re.compile(r"ok(?: sha256=(?P<digest>[0-9a-f]{64}))?(?: (?:upload=)?[0-9a-f]{32})?")
 """COMPLETE's content: "ok sha256=<manifest's sha256>"; "ok" alone before checksums; an upload
 to S3 appends its token (storage.put_folder)."""
@@ -104,7 +105,7 @@ def verify_folder(folder: Path) -> str:
     if not folder.is_dir():
         return "missing (no such folder)"
     if not (folder / COMPLETE).is_file():
-        return f"incomplete (no {COMPLETE} marker: an interrupted write)"
+        return INCOMPLETE
     marker = _MARKER.fullmatch((folder / COMPLETE).read_bytes().decode("utf-8", "replace").strip())
     if marker is None:
         return f"{COMPLETE} is damaged (not a marker this code writes)"

@@ -1,8 +1,9 @@
 """Episodes as pictures and per-turn rows: drawn on their mazes, frame by frame, or as one strip
 of every frame (the static picture a trajectory player leaves in a saved notebook).
 
-Every function takes an `Episode` or its summary dict (`workbench.run.episode_summary`, what a
-step record's episodes.json holds), so the same pictures serve a live rollout and a run folder.
+Every function takes an `Episode` or its summary dict (`workbench.rl.rollout.episode_summary`,
+what a step record's episodes.json holds), so the same pictures serve a live rollout and a run
+folder.
 
     fig = episode_grid(episodes, MazeConfig(size=7)); fig.savefig("episodes.png")
     Path("strip.png").write_bytes(episode_strip_png(episode))   # turn 1 .. the end, labelled
@@ -31,7 +32,7 @@ def as_record(episode: EpisodeLike) -> dict[str, Any]:
     """The episode's summary dict (an Episode is summarised; a dict is returned as it is)."""
     if isinstance(episode, dict):
         return episode
-    from workbench.run import episode_summary
+    from workbench.rl.rollout import episode_summary
 
     return episode_summary(episode)
 

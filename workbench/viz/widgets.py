@@ -84,7 +84,7 @@ class Player(_Displayed):
     image: Any
     text: Any
     rows: list[dict[str, Any]]
-    record: dict[str, Any]  # the episode's summary (workbench.run.episode_summary)
+    record: dict[str, Any]  # the episode's summary (workbench.rl.rollout.episode_summary)
 
     def png(self, frame_px: int = 96, cols: int = 10) -> bytes:
         """The static picture: every frame of the episode in one labelled strip."""
