@@ -618,8 +618,8 @@ def section_step(session: Session, args: Any, device: torch.device, facts: dict,
            runs[0][k] for k in runs[0]}
     RESULTS["step"] = {"median": med, "runs": runs, "update_variant": args.update,
                        "decode_variant": args.decode}
-    export, s_export = timed(lambda: session.training_client.export_adapter(
-        Path(args.workdir) / "adapter").result(), device)
+    export, s_export = timed(lambda: session.training_client.export(
+        Path(args.workdir) / "adapter", "adapter").result(), device)
     RESULTS["step"]["adapter_export_s"] = s_export
     RESULTS["step"]["adapter_mb"] = sum(
         f.stat().st_size for f in Path(export).rglob("*") if f.is_file()) / 1e6

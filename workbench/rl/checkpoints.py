@@ -143,7 +143,7 @@ def save_checkpoint(trainer: Any) -> Path:
     """Full checkpoint of the trainer's current step (atomic and checksummed), then the latest
     marker (replaced atomically)."""
     folder = trainer.run_dir / "checkpoints" / f"global_step_{trainer.step}"
-    state_path = trainer.training_client.save_state_to(trainer.run_dir / STATE_TMP).result()
+    state_path = trainer.training_client.save_state(trainer.run_dir / STATE_TMP).result()
 
     def write(tmp: Path) -> None:
         shutil.move(str(state_path), str(tmp / "state"))

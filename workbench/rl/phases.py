@@ -37,8 +37,8 @@ from workbench.policy import SamplingParams, Stream
 from workbench.rl.advantages import ADVANTAGES
 from workbench.rl.evaluate import TABLE_HEADER, EvalResult, summarize
 from workbench.rl.rollout import Episode, play_episodes
+from workbench.session.clients import SamplingClient, TrainingClient
 from workbench.session.losses import REDUCTION_SCALES, LossConfig
-from workbench.session.protocols import SamplingClientLike, TrainingClientLike
 from workbench.session.types import AdamParams, Datum, per_reply
 
 
@@ -108,7 +108,7 @@ class RolloutRecord:
         return nats / replies if replies else 0.0
 
 
-def rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
+def rollout(sampler: SamplingClient, config: Task, states_P: list[Any], n: int,
             params: SamplingParams, seed: int, history_images: int = 0) -> RolloutRecord:
     """n episodes per initial state (a maze, or any task of `envs.tasks`) from the sampling
     client's weights version; `history_images` > 0 keeps only the last k turns' images in the
@@ -137,7 +137,7 @@ class PendingRollout:
         return RolloutRecord(episodes, self.params, self.seed, end - self.started)
 
 
-def start_rollout(sampler: SamplingClientLike, config: Task, states_P: list[Any], n: int,
+def start_rollout(sampler: SamplingClient, config: Task, states_P: list[Any], n: int,
                   params: SamplingParams, seed: int, history_images: int = 0) -> PendingRollout:
     """`rollout` without waiting: the episodes are sampled (on Ray, by the engines) while the
     caller goes on, e.g. with an update."""
@@ -404,7 +404,7 @@ def global_weights(datums: list[Datum], reduction: str) -> list[Datum]:
             for d, s in zip(datums, scale_B)]
 
 
-def update(training_client: TrainingClientLike, datums: list[Datum], loss_fn: str,
+def update(training_client: TrainingClient, datums: list[Datum], loss_fn: str,
            loss_cfg: LossConfig, adam: AdamParams, minibatch: int = 16,
            bucket_by_length: bool = False, mini_batches: int = 1,
            epochs: int = 1) -> UpdateRecord:
@@ -492,7 +492,7 @@ class EvalRecord:
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def evaluate(sampler: SamplingClientLike, config: MazeConfig, states: list[InitState],
+def evaluate(sampler: SamplingClient, config: MazeConfig, states: list[InitState],
              name: str = "policy", greedy: bool = True, sampled_passes: int = 2,
              temperature: float = 1.0, max_tokens: int = 4, seed: int = 12345,
              keep_streams: bool = False, history_images: int = 0) -> EvalRecord:

@@ -45,7 +45,8 @@ from workbench.rl.schedule import (
     step_seed,
 )
 from workbench.session import AdamParams, LossConfig
-from workbench.session.protocols import SessionLike, TrainingClientLike
+from workbench.session.clients import TrainingClient
+from workbench.session.protocols import SessionLike
 
 
 @dataclass
@@ -60,7 +61,7 @@ class Trainer:
     ahead: phases.PendingRollout | None = None  # trainer.off_policy_steps=1: the next rollout
 
     @property
-    def training_client(self) -> TrainingClientLike:
+    def training_client(self) -> TrainingClient:
         return self.session.training_client
 
 
@@ -358,8 +359,8 @@ def _after_step(trainer: Trainer, log: Any) -> None:
     if t.eval_interval and step % t.eval_interval == 0 or step == t.total_steps:
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
     if t.hf_save_interval and (step % t.hf_save_interval == 0 or step == t.total_steps):
-        trainer.training_client.export_adapter(
-            trainer.run_dir / "exports" / f"global_step_{step}").result()
+        trainer.training_client.export(
+            trainer.run_dir / "exports" / f"global_step_{step}", "adapter").result()
     if checkpoint_due(trainer.config, step):
         save_checkpoint(trainer)
     storage.mirror_run(trainer.run_dir, trainer.config.run_dir,
