@@ -197,7 +197,7 @@ def _random_adapters(folder: Path, n: int, rank: int = 32) -> list[Path]:
             for name, p in session.host.trainable().items():
                 if "lora_B" in name:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
-        out.append(session.training_client.export_adapter(folder / f"a{k}").result())
+        out.append(session.training_client.export(folder / f"a{k}", "adapter").result())
     session.close()
     return out
 

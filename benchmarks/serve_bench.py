@@ -94,8 +94,8 @@ def make_adapters(folder: str, n: int, args: argparse.Namespace, workdir: Path) 
                     if "lora_B" in key:
                         noise = torch.randn(p.shape, generator=gen) * args.lora_b_std
                         p.copy_(noise.to(p.device, p.dtype))
-            export = session.training_client.export_adapter(
-                workdir / f"a{k}" / "exports" / "global_step_1").result()
+            export = session.training_client.export(
+                workdir / f"a{k}" / "exports" / "global_step_1", "adapter").result()
             registry.publish(store, export, f"a{k}", eval_results={}, overwrite=True)
     finally:
         session.close()

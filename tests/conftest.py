@@ -151,8 +151,8 @@ def lora_adapters(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path) -> d
             for key, p in session.host.trainable().items():
                 if "lora_B" in key:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-        out[name] = Path(session.training_client.export_adapter(
-            root / name / "exports" / f"global_step_{step}").result())
+        out[name] = Path(session.training_client.export(
+            root / name / "exports" / f"global_step_{step}", "adapter").result())
         session.close()
         result = {"policy": name, "mode": "greedy", "n_mazes": 4, "episodes_per_maze": 1,
                   "successes_P": [1, 0, 0, step % 2], "mean_turns": 5.0, "mean_reward": 0.25,

@@ -228,7 +228,7 @@ def test_load_state_and_load_adapter_refuse_a_damaged_folder(run, tmp_path) -> N
         tc.load_state(state).result()
     assert str(info.value) == (f"{state}: optimizer.safetensors is damaged (sha256 mismatch): "
                                "not loading it")
-    adapter = Path(tc.export_adapter(tmp_path / "adapter").result())
+    adapter = Path(tc.export(tmp_path / "adapter", "adapter").result())
     assert verify_folder(adapter) == ""
     size = (adapter / "adapter_config.json").stat().st_size
     _corrupt(adapter / "adapter_config.json", "truncate")

@@ -205,6 +205,7 @@ def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir
         SessionSpec,
         checkpoint,
         create_session,
+        host,
     )
     from workbench.session.host import snapshot
     from workbench.session.types import datum_from_stream
@@ -227,8 +228,8 @@ def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir
         params = dict(worker.host.lm.model.named_parameters())
         assert any(isinstance(p, DTensor) for p in params.values())
         assert not any(isinstance(p, DTensor) for p in worker.host.trainable().values())
-        fb2 = worker.forward(datums, "ppo", cfg, True)
-        opt2 = worker.optim_step(adam)
+        fb2 = worker.call(host.forward, datums, "ppo", cfg, True)
+        opt2 = worker.call(host.optim_step, adam)
         assert fb2.loss == pytest.approx(fb1.loss, rel=1e-5, abs=1e-6)
         assert opt2.grad_norm == pytest.approx(opt1.grad_norm, rel=1e-5)
         one, sharded = snapshot(ref.host), worker.snapshot()[1]

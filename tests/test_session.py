@@ -300,7 +300,7 @@ def test_full_finetune_trains_every_parameter_and_exports_a_model(
     after = _trainable(session)
     changed = [n for n in names if not torch.equal(before[n], after[n])]
     assert any("language_model" in n for n in changed)
-    folder = session.training_client.export_model(tmp_path / "full").result()
+    folder = session.training_client.export(tmp_path / "full", "model").result()
     assert is_complete(Path(folder))
     loaded = load_model(folder)
     pad_id = loaded.processor.tokenizer.pad_token_id
@@ -309,10 +309,10 @@ def test_full_finetune_trains_every_parameter_and_exports_a_model(
     assert torch.equal(_logits(loaded.model, stream, pad_id), ours)
 
 
-def test_lora_export_model_merges_the_adapter(make_session, oracle_datums, tmp_path) -> None:
+def test_lora_model_export_merges_the_adapter(make_session, oracle_datums, tmp_path) -> None:
     session = make_session()
     _step(session, oracle_datums)
-    folder = session.training_client.export_model(tmp_path / "merged").result()
+    folder = session.training_client.export(tmp_path / "merged", "model").result()
     loaded = load_model(folder)
     assert not any("lora_" in n for n in loaded.model.state_dict())
     pad_id = loaded.processor.tokenizer.pad_token_id
@@ -423,7 +423,7 @@ def test_state_from_another_base_is_refused(make_session, oracle_datums, tmp_pat
     session = make_session("a")
     _step(session, oracle_datums)
     path = session.training_client.save_state("s").result()
-    adapter = session.training_client.export_adapter(tmp_path / "adapter").result()
+    adapter = session.training_client.export(tmp_path / "adapter", "adapter").result()
     other_dir = build_tiny(tmp_path / "tiny_seed1", TinySpec(seed=1))
     other = make_session("other", model=other_dir)
     assert other.host.base_hash != session.host.base_hash
@@ -442,7 +442,7 @@ def test_exported_adapter_loads_in_plain_peft(make_session, oracle_datums, tiny_
 
     session = make_session()
     _step(session, oracle_datums)
-    folder = Path(session.training_client.export_adapter(tmp_path / "adapter").result())
+    folder = Path(session.training_client.export(tmp_path / "adapter", "adapter").result())
     for name in ("adapter_config.json", "adapter_model.safetensors", "workbench_adapter.json",
                  "COMPLETE"):
         assert (folder / name).is_file()
@@ -470,8 +470,16 @@ def test_exported_adapter_loads_in_plain_peft(make_session, oracle_datums, tiny_
                        ours)
 
 
-def test_save_weights_for_sampler_writes_under_workdir(make_session, tmp_path) -> None:
-    session = make_session("w")
-    path = session.training_client.save_weights_for_sampler("v0").result()
-    assert Path(path) == tmp_path / "w" / "sampler_weights" / "v0"
+def test_a_name_saves_under_the_workdir_and_a_folder_where_it_says(make_session,
+                                                                   tmp_path) -> None:
+    tc = make_session("w").training_client
+    path = tc.export("v0", "adapter").result()
+    assert path == str(tmp_path / "w" / "exports" / "v0")
     assert (Path(path) / "adapter_model.safetensors").is_file() and is_complete(Path(path))
+    assert tc.save_state("s0").result() == str(tmp_path / "w" / "states" / "s0")
+    assert tc.save_state(str(tmp_path / "elsewhere")).result() == str(tmp_path / "elsewhere")
+    assert tc.export(tmp_path / "mine", "adapter").result() == str(tmp_path / "mine")
+    with pytest.raises(ValueError, match=r"kind 'lora'; choose one of \['adapter', 'model'\]"):
+        tc.export("v1", "lora")
+    with pytest.raises(ValueError, match="a name or a folder"):
+        tc.save_state("")

@@ -433,14 +433,14 @@ def test_ray_sampler_engine_installs_versions_as_adapters(fake_vllm: FakeVLLM, t
     """The Ray SamplerEngine actor's class (used here without Ray) with engine.name=vllm:
     a version sent by the trainer is exported and sampled by its LoRARequest."""
     from workbench.cluster.workers import SamplerEngine
-    from workbench.session.host import snapshot
+    from workbench.session.host import sample, snapshot
 
     actor = SamplerEngine(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "e"),
                                       dtype="bfloat16",
                                       engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
     assert isinstance(actor.host.engine, VLLMEngine)
     assert actor.install((3, snapshot(actor.host))) == 3
-    actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
+    actor.call(sample, 3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
     lora = fake_vllm.calls[-1]["lora"]
     assert (lora.lora_name, lora.lora_int_id) == ("v3", 4)
     assert (Path(lora.lora_path) / "adapter_model.safetensors").is_file()
@@ -541,7 +541,7 @@ def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny
     and what it loads equals the trainer's merge."""
     from workbench.cluster.workers import SamplerEngine
     from workbench.policy.fused import merged_weight
-    from workbench.session.host import snapshot
+    from workbench.session.host import sample, snapshot
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     actor = SamplerEngine(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "e"),
@@ -553,7 +553,7 @@ def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny
         if "lora_B" in name:
             weights[name] = torch.full_like(t, 0.01)
     assert actor.install((3, weights)) == 3
-    actor.sample(3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
+    actor.call(sample, 3, _two_turn_stream(tiny), 2, SamplingParams(max_tokens=2), 0)
     sent = _pushed(fake_vllm, 0)
     model = actor.host.lm.model
     for name, module in model.named_modules():

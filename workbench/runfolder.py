@@ -47,7 +47,7 @@ from workbench.session.checkpoint import (
     has_checksums,
     verify_folder,
 )
-from workbench.session.protocols import TrainingClientLike
+from workbench.session.clients import TrainingClient
 from workbench.storage import StorageError, Store
 
 Log = Callable[[str], Any]
@@ -244,13 +244,13 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
 
 
-def save_checkpoint(run_dir: Path, step: int, training_client: TrainingClientLike,
+def save_checkpoint(run_dir: Path, step: int, training_client: TrainingClient,
                     config: RunConfig) -> Path:
     """checkpoints/global_step_<step>: the session's state (weights, optimiser) and
     trainer_state.json (step, config, RNG states), atomic and checksummed; then the latest
     marker (replaced atomically)."""
     folder = run_dir / CHECKPOINTS / step_folder(step)
-    state_path = Path(training_client.save_state_to(run_dir / STATE_TMP).result())
+    state_path = Path(training_client.save_state(run_dir / STATE_TMP).result())
 
     def write(tmp: Path) -> None:
         shutil.move(str(state_path), str(tmp / "state"))

@@ -10,15 +10,9 @@ Ray raises an ImportError naming `pip install 'workbench[ray]'`).
 
 from workbench.cluster.connect import ClusterInfo, connect, disconnect
 from workbench.cluster.placement import PlacementPlan, plan_placement
-from workbench.cluster.ray_session import (
-    RaySamplingClient,
-    RaySession,
-    RayTrainingClient,
-    SyncRecord,
-    create_ray_session,
-)
+from workbench.cluster.ray_session import RaySession, SyncRecord, create_ray_session
 
 __all__ = [
-    "ClusterInfo", "PlacementPlan", "RaySamplingClient", "RaySession", "RayTrainingClient",
-    "SyncRecord", "connect", "create_ray_session", "disconnect", "plan_placement",
+    "ClusterInfo", "PlacementPlan", "RaySession", "SyncRecord", "connect", "create_ray_session",
+    "disconnect", "plan_placement",
 ]

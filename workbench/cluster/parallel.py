@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from workbench.session.types import Datum, ForwardBackwardOutput
+from workbench.session.types import Datum, ForwardBackwardOutput, empty_output
 
 LAYER_NAME = re.compile(r"\.(layers|blocks)\.\d+$")  # decoder layers, vision blocks
 WEIGHTED = ("kl_sampler_trainer", "clip_fraction", "entropy")  # token means over the batch
@@ -43,13 +43,6 @@ def padded_shards(datums: list[Datum], parts: int) -> tuple[list[list[Datum]], l
         blank = replace(datums[0], weights_T=tuple(0.0 for _ in datums[0].weights_T))
         shards = [s or [blank] for s in shards]
     return shards, sizes
-
-
-def empty_output() -> ForwardBackwardOutput:
-    """What forward returns for no datums: marked empty (nothing computed)."""
-    return ForwardBackwardOutput(0.0, {"loss": 0.0, "kl_sampler_trainer": 0.0,
-                                       "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}, [],
-                                 empty=True)
 
 
 def merge_outputs(outs: list[ForwardBackwardOutput], sizes: list[int]) -> ForwardBackwardOutput:

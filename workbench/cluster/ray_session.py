@@ -4,7 +4,7 @@
     session = create_ray_session(SessionSpec(model="tiny", lora=LoraSettings(rank=8),
                                              cluster=ClusterSpec("local", num_workers=2,
                                                                  num_engines=2)))
-    tc = session.training_client
+    tc = session.training_client                 # session.clients, over this executor
     fb = tc.forward_backward(datums, "ppo")      # a concurrent.futures.Future, as in-process
     opt = tc.optim_step(AdamParams(learning_rate=3e-4))
     sampler = tc.save_weights_and_get_sampling_client()   # weights reach every engine first
@@ -13,9 +13,11 @@
 
 Every actor builds its host from the same `SessionSpec` an in-process session is built from.
 
-Trainer calls go to every worker (forward_backward on a slice of the datums each, optim_step and
-load_state on all) or to rank 0 (save_state, exports: the replicas are identical). Each actor
-runs one call at a time in the order this client submitted them, so training calls keep
+`RaySession` is the clients' `Executor`. Trainer calls go to every worker (forward_backward on a
+slice of the datums each, the outputs merged; optim_step and load_state on all, the gradients
+summed over the workers first) or to rank 0 (save_state, exports: the replicas are identical).
+Sampling calls go to engine 0, a rollout's initial states are split over the engines. Each
+actor runs one call at a time in the order this session submitted them, so training calls keep
 submission order. Futures wrap Ray object refs; a call spread over several actors gives one
 future that fails as soon as any actor fails (e.g. `ray.exceptions.ActorDiedError`).
 """
@@ -43,12 +45,10 @@ from workbench.cluster.placement import (
 from workbench.cluster.weight_sync import check_distinct_gpus
 from workbench.cluster.workers import SamplerEngine, TrainerWorker
 from workbench.deps import require
-from workbench.policy import SamplingParams, Stream
-from workbench.session import checkpoint, host
-from workbench.session.host import EpisodeLoop
-from workbench.session.losses import LossConfig
+from workbench.session import host
+from workbench.session.clients import Call, TrainingClient
 from workbench.session.spec import SessionSpec
-from workbench.session.types import AdamParams, Datum
+from workbench.session.types import Datum, ForwardBackwardOutput
 
 
 def gather(refs: list, combine: Callable[[list], Any]) -> Future:
@@ -95,172 +95,9 @@ class SyncRecord:
     snapshot_seconds: float = 0.0  # object_store: until rank 0's copy is in the object store
 
 
-class RaySamplingClient:
-    """Samples from one weights version, installed on every sampler engine."""
-
-    def __init__(self, session: RaySession, sync: SyncRecord) -> None:
-        self._session, self.sync = session, sync
-        self.version = sync.version
-
-    def sample(self, prompt: Stream, num_samples: int, sampling_params: SamplingParams,
-               seed: int = 0) -> Future:
-        """num_samples replies to `prompt` (engine 0) -> Future[SampleResponse]."""
-        engine = self._session.engines[0]
-        return engine.sample.remote(self.version, prompt, num_samples, sampling_params,
-                                    seed).future()
-
-    def compute_logprobs(self, prompt: Stream, temperature: float = 1.0) -> Future:
-        """Per-token log-probs of the prompt's own tokens (engine 0) -> Future[list[float]]."""
-        engine = self._session.engines[0]
-        return engine.compute_logprobs.remote(self.version, prompt, temperature).future()
-
-    def play(self, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
-             params: SamplingParams, seed: int) -> Future:
-        """loop(...) on the engines, the initial states split over them (chunk k sampled with
-        `chunk_seed(seed, k)`) -> Future[episodes_P_G]."""
-        engines = self._session.engines
-        chunks = split_B(list(init_states_P), len(engines))
-        refs = [e.play.remote(self.version, loop, task, chunk, n, params, chunk_seed(seed, k))
-                for k, (e, chunk) in enumerate(zip(engines, chunks)) if chunk]
-        return gather(refs, lambda parts: [group for part in parts for group in part])
-
-
-class RayTrainingClient:
-    """The trainer side: N data-parallel workers, rank 0 canonical for saves and exports."""
-
-    def __init__(self, session: RaySession) -> None:
-        self._session = session
-        self._processor: Any = None
-
-    @property
-    def _workers(self) -> list:
-        return self._session.trainers
-
-    def _shards(self, datums: list[Datum]) -> tuple[list[list[Datum]], list[int]]:
-        """Each worker's slice of the datums and its real size (fsdp's collectives need every
-        worker to run a forward: an empty slice gets a zero-weight datum)."""
-        if self._session.strategy == "fsdp":
-            return padded_shards(datums, len(self._workers))
-        shards = split_B(datums, len(self._workers))
-        return shards, [len(s) for s in shards]
-
-    def _spread(self, datums: list[Datum], loss_fn: str, cfg: LossConfig,
-                backward: bool) -> Future:
-        shards, sizes = self._shards(datums)
-        refs = [w.forward.remote(s, loss_fn, cfg, backward) for w, s in zip(self._workers, shards)]
-        return gather(refs, lambda outs: merge_outputs(outs, sizes))
-
-    def _rank0_path(self, fn: Callable[..., Any], *args: Any) -> Future:
-        """fn(host, *args) on rank 0, whose result is a folder -> Future[str]."""
-        return gather([self._workers[0].call.remote(fn, *args)], lambda r: str(r[0]))
-
-    def _all(self, fn: Callable[..., Any], *args: Any) -> Future:
-        return gather([w.call.remote(fn, *args) for w in self._workers], lambda r: r[0])
-
-    def forward(self, datums: list[Datum], loss_fn: str = "cross_entropy",
-                loss_fn_config: LossConfig | None = None) -> Future:
-        """Loss and trainer log-probs without gradients -> Future[ForwardBackwardOutput]."""
-        host.warn_if_empty("forward", datums)
-        return self._spread(datums, loss_fn, loss_fn_config or LossConfig(), backward=False)
-
-    def forward_backward(self, datums: list[Datum], loss_fn: str,
-                         loss_fn_config: LossConfig | None = None) -> Future:
-        """Accumulate gradients of the loss on each worker's slice -> Future[...Output]."""
-        host.warn_if_empty("forward_backward", datums)
-        return self._spread(datums, loss_fn, loss_fn_config or LossConfig(), backward=True)
-
-    def optim_step(self, adam: AdamParams) -> Future:
-        """All-reduce the gradients, clip, step AdamW on every worker -> Future[OptimStepOutput]."""
-        return gather([w.optim_step.remote(adam) for w in self._workers], lambda r: r[0])
-
-    def save_state(self, name: str) -> Future:
-        """Weights + optimiser to workdir/states/<name> (rank 0, atomic) -> Future[path]."""
-        return self.save_state_to(self._session.workdir / "states" / name)
-
-    def save_state_to(self, folder: str | Path) -> Future:
-        """Weights + optimiser to an explicit folder (rank 0, atomic) -> Future[path]."""
-        return self._rank0_path(checkpoint.save_state, Path(folder))
-
-    def load_state(self, path: str | Path, with_optimizer: bool = True) -> Future:
-        """Every worker restores weights (and optimiser) from a saved state -> Future[None]."""
-        return self._all(checkpoint.load_state, Path(path), with_optimizer)
-
-    def load_adapter(self, folder: str | Path) -> Future:
-        """Every worker loads an exported PEFT adapter (same base only) -> Future[None]."""
-        return self._all(checkpoint.load_adapter_weights, Path(folder))
-
-    def save_weights_for_sampler(self, name: str) -> Future:
-        """Export the adapter to workdir/sampler_weights/<name> (rank 0) -> Future[path]."""
-        return self.export_adapter(self._session.workdir / "sampler_weights" / name)
-
-    def export_adapter(self, folder: str | Path) -> Future:
-        """Export the adapter in PEFT format to `folder` (rank 0) -> Future[path]."""
-        return self._rank0_path(checkpoint.export_adapter, Path(folder))
-
-    def export_model(self, folder: str | Path) -> Future:
-        """A complete checkpoint folder (LoRA merged in; rank 0) -> Future[path]."""
-        if self._session.strategy == "fsdp":
-            raise NotImplementedError("export_model under fsdp: export the adapter and merge it "
-                                      "into the base on one device (load_model + load_adapter)")
-        return self._rank0_path(checkpoint.export_model, Path(folder))
-
-    def save_weights_and_get_sampling_client(self) -> RaySamplingClient:
-        """Send rank 0's current weights to every engine; the client samples that version."""
-        ray = require("ray")
-        if not self._session.engines:
-            raise ValueError("this session has no sampler engines (num_engines=0)")
-        if self._session.weight_broadcast:
-            return self._broadcast_weights()
-        start = time.perf_counter()
-        snapshot = self._workers[0].snapshot.remote()
-        ray.wait([snapshot], fetch_local=False)  # in the object store: the trainer's part
-        stored = time.perf_counter() - start
-        versions = ray.get([e.install.remote(snapshot) for e in self._session.engines])
-        seconds = time.perf_counter() - start
-        sync = SyncRecord(versions[0], seconds, self._session.trainable_bytes, len(versions),
-                          "object_store", stored)
-        self._session.syncs.append(sync)
-        return RaySamplingClient(self._session, sync)
-
-    def _broadcast_weights(self) -> RaySamplingClient:
-        """The sync as one broadcast from rank 0 over the weight group (open_weight_broadcast)."""
-        ray = require("ray")
-        start = time.perf_counter()
-        rank0, engines = self._workers[0], self._session.engines
-        version = ray.get(rank0.weights_version.remote())  # after the queued optim_steps
-        sent = rank0.send_weights.remote()
-        ray.get([e.receive_weights.remote(version) for e in engines] + [sent])
-        sync = SyncRecord(version, time.perf_counter() - start, ray.get(sent), len(engines),
-                          "broadcast")
-        self._session.syncs.append(sync)
-        return RaySamplingClient(self._session, sync)
-
-    def grad_squares(self, datums: list[Datum], loss_fn: str,
-                     loss_fn_config: LossConfig | None = None) -> Future:
-        """Squared gradient norm per parameter for these datums (every worker's slice, summed
-        over the workers), without stepping -> Future[dict[str, float]] (rank 0's)."""
-        cfg = loss_fn_config or LossConfig()
-        shards, _ = self._shards(datums)
-        refs = [w.grad_squares.remote(s, loss_fn, cfg) for w, s in zip(self._workers, shards)]
-        return gather(refs, lambda r: r[0])
-
-    def get_processor(self) -> Any:
-        """The policy's processor (tokenizer + image processor), fetched once from rank 0."""
-        if self._processor is None:
-            self._processor = self._workers[0].call.remote(_processor_of).future().result()
-        return self._processor
-
-    def get_tokenizer(self) -> Any:
-        """The policy's tokenizer."""
-        return self.get_processor().tokenizer
-
-
-def _processor_of(host: Any) -> Any:
-    return host.lm.processor
-
-
 class RaySession:
-    """Trainer workers + sampler engines in one placement group; `close()` releases them."""
+    """Trainer workers + sampler engines in one placement group; `close()` releases them. It is
+    the clients' `Executor`: N data-parallel trainer replicas, M sampler engines."""
 
     def __init__(self, trainers: list, engines: list, placement_group: Any, plan: PlacementPlan,
                  spec: SessionSpec, info: dict[str, Any], names: list[str]) -> None:
@@ -273,7 +110,63 @@ class RaySession:
         self.syncs: list[SyncRecord] = []  # every weight sync, newest last
         self.weight_broadcast = False  # True after open_weight_broadcast()
         self.recoverable_errors = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
-        self.training_client = RayTrainingClient(self)
+        self.training_client = TrainingClient(self)
+
+    def submit(self, fn: Call, *args: Any) -> Future:
+        """fn(host, *args) on trainer rank 0 (saves, exports: the replicas are identical)."""
+        return self.trainers[0].call.remote(fn, *args).future()
+
+    def submit_all(self, fn: Call, *args: Any) -> Future:
+        """fn(host, *args) on every trainer worker -> rank 0's result."""
+        return gather([w.call.remote(fn, *args) for w in self.trainers], lambda r: r[0])
+
+    def submit_batch(self, fn: Call, datums: list[Datum], *args: Any) -> Future:
+        """fn(host, shard, *args) on every worker's contiguous slice of the datums (fsdp's
+        collectives need every worker to run a forward: an empty slice gets a zero-weight
+        datum) -> forward outputs merged as one worker returns them (parallel.merge_outputs),
+        any other result rank 0's."""
+        if self.strategy == "fsdp":
+            shards, sizes = padded_shards(datums, len(self.trainers))
+        else:
+            shards = split_B(datums, len(self.trainers))
+            sizes = [len(s) for s in shards]
+        refs = [w.call.remote(fn, s, *args) for w, s in zip(self.trainers, shards)]
+        return gather(refs, lambda outs: merge_outputs(outs, sizes)
+                      if isinstance(outs[0], ForwardBackwardOutput) else outs[0])
+
+    def submit_sampling(self, fn: Call, *args: Any, model: bool = False) -> Future:
+        """fn(host, *args) on engine 0 (whose model is its own: `model` changes nothing)."""
+        return self.engines[0].call.remote(fn, *args).future()
+
+    def submit_spread(self, fn: Call, items: list[Any], *args: Any, seed: int) -> Future:
+        """fn(host, chunk, *args, chunk_seed(seed, k)) on engine k, the items split into
+        contiguous chunks -> the engines' lists concatenated in item order."""
+        chunks = split_B(list(items), len(self.engines))
+        refs = [e.call.remote(fn, chunk, *args, chunk_seed(seed, k))
+                for k, (e, chunk) in enumerate(zip(self.engines, chunks)) if chunk]
+        return gather(refs, lambda parts: [x for part in parts for x in part])
+
+    def sync_weights(self) -> int:
+        """Send rank 0's current weights to every engine (through the object store, or one
+        broadcast after open_weight_broadcast) -> their version; `syncs` records it."""
+        ray = require("ray")
+        if not self.engines:
+            raise ValueError("this session has no sampler engines (num_engines=0)")
+        start, rank0 = time.perf_counter(), self.trainers[0]
+        if self.weight_broadcast:
+            version = ray.get(rank0.weights_version.remote())  # after the queued optim_steps
+            sent = rank0.send_weights.remote()
+            ray.get([e.receive_weights.remote(version) for e in self.engines] + [sent])
+            self.syncs.append(SyncRecord(version, time.perf_counter() - start, ray.get(sent),
+                                         len(self.engines), "broadcast"))
+            return version
+        snapshot = rank0.snapshot.remote()
+        ray.wait([snapshot], fetch_local=False)  # in the object store: the trainer's part
+        stored = time.perf_counter() - start
+        versions = ray.get([e.install.remote(snapshot) for e in self.engines])
+        self.syncs.append(SyncRecord(versions[0], time.perf_counter() - start,
+                                     self.trainable_bytes, len(versions), "object_store", stored))
+        return versions[0]
 
     @property
     def overlaps_sampling(self) -> bool:
@@ -314,7 +207,7 @@ class RaySession:
     def speed_metrics(self) -> Future:
         """`speed/*` of the sampler engines (a fast path counts as running when it runs on
         every engine) -> Future[dict[str, float]]."""
-        refs = [e.speed_metrics.remote() for e in self.engines]
+        refs = [e.call.remote(host.speed_metrics) for e in self.engines]
         return gather(refs, merge_speed_metrics)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:

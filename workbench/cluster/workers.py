@@ -3,10 +3,13 @@
 Both build their `ModelHost` from the session's `SessionSpec` (`session.host.make_host`), so an
 actor honours exactly what an in-process session honours (dtype, device, engine, speed).
 
-TrainerWorker: one data-parallel replica of the policy and its optimiser. It runs the host
-functions (`forward`, `optim_step`, the checkpoint functions) on its host; with N > 1 workers
+Both run the host functions the clients send them (`call`: `host.forward`, `host.optim_step`,
+`host.play`, the checkpoint functions, ...) on their host.
+
+TrainerWorker: one data-parallel replica of the policy and its optimiser. With N > 1 workers
 they form a torch.distributed group (gloo on CPU, NCCL on CUDA) whose rendezvous is a TCPStore
-that rank 0 opens on a free port of its node.
+that rank 0 opens on a free port of its node, and the host sums its gradients over the group
+before it uses them (`ModelHost.sum_grads`).
 
 SamplerEngine: its own copy of the base model (+ LoRA), the sampler weight versions it has been
 sent, the sampler engine that draws the tokens (engine.name: transformers, or vLLM loading
@@ -29,14 +32,11 @@ import torch
 
 from workbench.cluster import weight_sync
 from workbench.cluster.metrics import GaugeSet
-from workbench.cluster.parallel import all_reduce_grads, empty_output, shard_frozen_base
+from workbench.cluster.parallel import all_reduce_grads, shard_frozen_base
 from workbench.cluster.weight_sync import GROUP_TIMEOUT
-from workbench.policy import SamplingParams, Stream
 from workbench.session import host
-from workbench.session.host import EpisodeLoop, ModelHost
-from workbench.session.losses import LossConfig
+from workbench.session.host import ModelHost
 from workbench.session.spec import SessionSpec
-from workbench.session.types import AdamParams, Datum, ForwardBackwardOutput, OptimStepOutput
 
 
 def set_threads(threads: int) -> None:
@@ -99,36 +99,10 @@ class TrainerWorker:
         backend = "nccl" if self.host.lm.model.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, store=store, rank=self.rank,
                                 world_size=self.world_size, timeout=GROUP_TIMEOUT)
+        if self.world_size > 1:  # the same step everywhere: every slice's gradients summed
+            self.host.sum_grads = all_reduce_grads
         if self.strategy == "fsdp":
             shard_frozen_base(self.host.lm.model, list(self.host.trainable().values()))
-
-    def forward(self, datums: list[Datum], loss_fn: str, cfg: LossConfig,
-                backward: bool) -> ForwardBackwardOutput:
-        """This worker's slice: loss, metrics, log-probs (and summed gradients if backward)."""
-        if not datums:
-            return empty_output()
-        return host.forward(self.host, datums, loss_fn, cfg, backward)
-
-    def optim_step(self, adam: AdamParams) -> OptimStepOutput:
-        """All-reduce (SUM) the gradients over the workers, then the same step everywhere."""
-        self._all_reduce()
-        return host.optim_step(self.host, adam)
-
-    def _all_reduce(self) -> None:
-        if self.world_size > 1:
-            host.trainer_weights(self.host)
-            all_reduce_grads(list(self.host.trainable().values()))
-
-    def grad_squares(self, datums: list[Datum], loss_fn: str,
-                     cfg: LossConfig) -> dict[str, float]:
-        """Squared gradient norm per parameter of the whole batch (every worker's slice summed),
-        without stepping; the gradients are dropped afterwards."""
-        if datums:
-            host.forward(self.host, datums, loss_fn, cfg, backward=True)
-        self._all_reduce()
-        squares = host.grad_squares(self.host)
-        host.zero_grads(self.host)
-        return squares
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
         """(weights version, trainable tensors on CPU) for the sampler engines."""
@@ -161,7 +135,7 @@ class TrainerWorker:
         return device_memory()
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(host, *args): the checkpoint functions, describe_host, ..."""
+        """fn(host, *args): forward, optim_step, the checkpoint functions, describe_host, ..."""
         return fn(self.host, *args)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> int:
@@ -221,25 +195,8 @@ class SamplerEngine:
         return device_memory() | vllm_memory(self.host.engine)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """fn(host, *args) on this engine's host (inspection: fast paths, versions, ...)."""
+        """fn(host, *args): sample, play, compute_logprobs, speed_metrics, inspection, ..."""
         return fn(self.host, *args)
-
-    def sample(self, version: int, prompt: Stream, n: int, params: SamplingParams,
-               seed: int) -> Any:
-        host.use_version(self.host, version)
-        return host.sample(self.host, prompt, n, params, seed)
-
-    def compute_logprobs(self, version: int, prompt: Stream, temperature: float) -> list[float]:
-        return host.compute_logprobs(self.host, version, prompt, temperature)
-
-    def play(self, version: int, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
-             params: SamplingParams, seed: int) -> list:
-        host.use_version(self.host, version)
-        return host.play(self.host, loop, task, init_states_P, n, params, seed)
-
-    def speed_metrics(self) -> dict[str, float]:
-        """`speed/*` of this engine's host."""
-        return host.speed_metrics(self.host)
 
     def pid(self) -> int:
         return os.getpid()

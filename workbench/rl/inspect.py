@@ -16,8 +16,8 @@ from dataclasses import replace
 
 import numpy as np
 
+from workbench.session.clients import TrainingClient
 from workbench.session.losses import LossConfig
-from workbench.session.protocols import TrainingClientLike
 from workbench.session.types import Datum
 
 
@@ -54,7 +54,7 @@ def module_name(param_name: str) -> str:
     return name
 
 
-def module_grad_norms(training_client: TrainingClientLike, datums: list[Datum], loss_fn: str,
+def module_grad_norms(training_client: TrainingClient, datums: list[Datum], loss_fn: str,
                       cfg: LossConfig) -> dict[str, float]:
     """Gradient norm of each trainable module for the update `phases.update` would make (the
     batch-mean weights folded in), without stepping: gradients are dropped afterwards. On Ray

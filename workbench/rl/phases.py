@@ -41,8 +41,8 @@ from workbench.envs.protocol import Task
 from workbench.policy import SamplingParams, Stream
 from workbench.rl.evaluate import TABLE_HEADER, EvalResult, summarize
 from workbench.rl.rollout import Episode, play_episodes
+from workbench.session.clients import SamplingClient, TrainingClient
 from workbench.session.losses import REDUCTION_SCALES, LossConfig
-from workbench.session.protocols import SamplingClientLike, TrainingClientLike
 from workbench.session.types import AdamParams, Datum, per_reply
 
 
@@ -135,7 +135,7 @@ class Batch:
                 f"temperature {self.params.temperature}, seed {self.seed}{window})")
 
 
-def rollout(sampler: SamplingClientLike, batch: Batch) -> RolloutRecord:
+def rollout(sampler: SamplingClient, batch: Batch) -> RolloutRecord:
     """The batch's episodes, sampled from the sampling client's weights version."""
     return start_rollout(sampler, batch).result()
 
@@ -161,7 +161,7 @@ class PendingRollout:
         return RolloutRecord(episodes, self.params, self.seed, end - self.started)
 
 
-def start_rollout(sampler: SamplingClientLike, batch: Batch) -> PendingRollout:
+def start_rollout(sampler: SamplingClient, batch: Batch) -> PendingRollout:
     """`rollout` without waiting: the episodes are sampled (on Ray, by the engines) while the
     caller goes on, e.g. with an update."""
     _takes("rollout", batch, Batch, "a Batch", "pass schedule.step_batch(config, step), or "
@@ -452,7 +452,7 @@ class UpdateSettings:
                "pass AdamParams(learning_rate=3e-4)")
 
 
-def update(training_client: TrainingClientLike, datums: list[Datum],
+def update(training_client: TrainingClient, datums: list[Datum],
            settings: UpdateSettings = UpdateSettings()) -> UpdateRecord:
     """`settings.epochs` passes over the batch, each split into `mini_batches` contiguous
     mini-batches; each mini-batch is forward_backward over chunks of `minibatch` datums (queued
@@ -532,7 +532,7 @@ class EvalRecord:
         return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def evaluate(sampler: SamplingClientLike, batch: Batch, name: str = "policy",
+def evaluate(sampler: SamplingClient, batch: Batch, name: str = "policy",
              greedy: bool = True, keep_streams: bool = False) -> EvalRecord:
     """Success on a fixed set of a task (the batch's states): one greedy pass (when `greedy`)
     and the batch's G sampled passes (none when G is 0), each beside the task's ceiling

@@ -154,6 +154,6 @@ def run_sft(config: Any, log: Any = print) -> Path:
             log(f"sft step {st.step:>4}  loss {st.loss:.4f}  {st.seconds:.2f}s")
     # the bar leaves no trace (leave=False): this line stays, e.g. in a saved notebook
     log(f"SFT steps: {done}/{config.sft.steps} in {time.perf_counter() - start:.1f} s")
-    folder = session.training_client.export_model(run_dir / "model").result()
+    folder = session.training_client.export(run_dir / "model", "model").result()
     session.close()
     return Path(folder)

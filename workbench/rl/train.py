@@ -39,7 +39,8 @@ from workbench.rl.schedule import (
     step_seed,
     step_update,
 )
-from workbench.session.protocols import SessionLike, TrainingClientLike
+from workbench.session.clients import TrainingClient
+from workbench.session.protocols import SessionLike
 
 
 @dataclass
@@ -54,7 +55,7 @@ class Trainer:
     ahead: phases.PendingRollout | None = None  # algorithm.off_policy_steps=1: the next rollout
 
     @property
-    def training_client(self) -> TrainingClientLike:
+    def training_client(self) -> TrainingClient:
         return self.session.training_client
 
 
@@ -342,8 +343,8 @@ def _after_step(trainer: Trainer, log: Any) -> None:
     if t.eval_interval and step % t.eval_interval == 0 or step == t.total_steps:
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
     if t.hf_save_interval and (step % t.hf_save_interval == 0 or step == t.total_steps):
-        trainer.training_client.export_adapter(
-            trainer.run_dir / runfolder.EXPORTS / runfolder.step_folder(step)).result()
+        trainer.training_client.export(
+            trainer.run_dir / runfolder.EXPORTS / runfolder.step_folder(step), "adapter").result()
     if checkpoint_due(trainer.config, step):
         runfolder.save_checkpoint(trainer.run_dir, step, trainer.training_client, trainer.config)
     runfolder.mirror_run(trainer.run_dir, trainer.config)  # s3:// run_dir: upload what is new

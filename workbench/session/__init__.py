@@ -2,19 +2,14 @@
 
     session = open_session(SessionSpec(model="tiny-sft"))   # workbench.opener
 
-Backends: in-process (`create_session`), and Ray actors with the same interface
-(`workbench.cluster.create_ray_session`), both over the functions of `session.host`; the typed
-surface both follow is `session.protocols`.
+The clients (`session.clients`) are written once over an executor with two backends: in-process
+threads (`create_session`) and Ray actors (`workbench.cluster.create_ray_session`), both running
+the functions of `session.host`; the session both follow is `session.protocols.SessionLike`.
 """
 
 from workbench.session.checkpoint import IncompleteCheckpoint, is_complete
-from workbench.session.inprocess import (
-    SamplingClient,
-    Session,
-    TrainingClient,
-    create_session,
-    create_session_from_state,
-)
+from workbench.session.clients import SamplingClient, TrainingClient
+from workbench.session.inprocess import Session, create_session, create_session_from_state
 from workbench.session.losses import LOSSES, REDUCTIONS, LossConfig, loss_metrics
 from workbench.session.spec import ClusterSpec, SessionSpec, SpeedSettings
 from workbench.session.types import (

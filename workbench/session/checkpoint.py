@@ -206,11 +206,18 @@ def _set_weights(host: ModelHost, tensors: dict[str, torch.Tensor], folder: Path
 
 
 def export_model(host: ModelHost, folder: Path) -> Path:
-    """A full checkpoint (LoRA merged) with its processor: a new base for load_model."""
+    """A full checkpoint (LoRA merged) with its processor: a new base for load_model. Refused
+    on a trainer whose base is sharded (a Ray worker under strategy fsdp)."""
     import copy
+
+    from torch.distributed.tensor import DTensor
 
     trainer_weights(host)
     model = host.lm.model
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        raise NotImplementedError('export(path, "model") under fsdp: export the "adapter" and '
+                                  "merge it into the base on one device (load_model + "
+                                  "load_adapter)")
     if host.lora is not None:
         model = copy.deepcopy(model).merge_and_unload()
 

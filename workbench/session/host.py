@@ -4,12 +4,13 @@
     out = forward(host, datums, "ppo", LossConfig(), backward=True)
     optim_step(host, AdamParams(learning_rate=3e-4))
     version = save_version(host)                      # a sampler weights version
-    use_version(host, version); play(host, loop, task, states_P, n, params, seed)
+    play(host, states_P, version, loop, task, n, params, seed)
 
-Both backends call these functions: the in-process `Session` on its worker thread, the Ray
-trainer workers and sampler engines inside their actors (`workbench.cluster.workers`). A host
-holds the policy, its optimiser, the sampler engine and the sampler weight versions; the trainer's
-own weights are parked aside (`ModelHost.parked`) while a sampler version is loaded.
+The clients (`session.clients`) send these functions to a host through the session's executor:
+the in-process `Session` runs them on its threads, the Ray trainer workers and sampler engines
+inside their actors (`workbench.cluster.workers`). A host holds the policy, its optimiser, the
+sampler engine and the sampler weight versions; the trainer's own weights are parked aside
+(`ModelHost.parked`) while a sampler version is loaded.
 
 The episode loop is not the host's: `play` runs a loop handed in by the caller (`rl.rollout`'s
 `play_episodes`, over any environment that follows `envs.protocol`) beside the sampler.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -40,6 +42,7 @@ from workbench.session.types import (
     ForwardBackwardOutput,
     OptimStepOutput,
     SampleResponse,
+    empty_output,
 )
 
 KEEP_VERSIONS = 4  # sampler weight snapshots kept besides the newest
@@ -63,6 +66,9 @@ class ModelHost:
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     parked: dict[str, torch.Tensor] | None = None  # the trainer's weights while a version is in
     loaded_version: int | None = None  # which snapshot is in the model (None = trainer's)
+    # sums the gradients over data-parallel replicas before they are used (a Ray trainer worker
+    # of several sets it: cluster.parallel.all_reduce_grads); None: this host is the only one
+    sum_grads: Callable[[list[torch.nn.Parameter]], None] | None = None
 
     @property
     def pad_id(self) -> int:
@@ -235,9 +241,10 @@ def install_version(host: ModelHost, version: int, tensors: dict[str, torch.Tens
 
 # ------------------------------------------------------------------------------- the sampler
 
-def sample(host: ModelHost, prompt: Stream, num_samples: int, params: SamplingParams,
-           seed: int) -> SampleResponse:
-    """num_samples replies to one prompt from the loaded version."""
+def sample(host: ModelHost, version: int, prompt: Stream, num_samples: int,
+           params: SamplingParams, seed: int) -> SampleResponse:
+    """num_samples replies to one prompt from version `version`."""
+    use_version(host, version)
     gen = torch.Generator().manual_seed(seed)
     done = host.engine.open([prompt], num_samples).decode(params, gen)
     return SampleResponse(sequences=done)
@@ -262,9 +269,11 @@ class EpisodeLoop(Protocol):
                  n: int, params: SamplingParams, seed: int) -> list[list[Any]]: ...
 
 
-def play(host: ModelHost, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
-         params: SamplingParams, seed: int) -> list[list[Any]]:
-    """Run the episode loop over the loaded version: episodes_P_G."""
+def play(host: ModelHost, init_states_P: list[Any], version: int, loop: EpisodeLoop, task: Any,
+         n: int, params: SamplingParams, seed: int) -> list[list[Any]]:
+    """Run the episode loop over version `version`: n episodes from each initial state,
+    episodes_P_G (the states lead: a Ray session splits them over its engines)."""
+    use_version(host, version)
     return loop(host.lm, host.engine, task, init_states_P, n, params, seed)
 
 
@@ -286,9 +295,7 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
     if loss_fn not in LOSSES:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; choose one of {sorted(LOSSES)}")
     if not datums:
-        return ForwardBackwardOutput(0.0, {"loss": 0.0, "kl_sampler_trainer": 0.0,
-                                           "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0},
-                                     [], empty=True)
+        return empty_output()
     trainer_weights(host)
     model = host.lm.model
     model.train(backward)
@@ -317,10 +324,19 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
     return ForwardBackwardOutput(float(loss.detach()), metrics, [lp.tolist() for lp in detached])
 
 
-def optim_step(host: ModelHost, adam: AdamParams) -> OptimStepOutput:
-    """Clip the global grad norm, step AdamW with `adam`, zero the gradients."""
+def _summed_grads(host: ModelHost) -> list[torch.nn.Parameter]:
+    """The trainable parameters, their gradients summed over the replicas (`sum_grads`)."""
     trainer_weights(host)
     params = list(host.trainable().values())
+    if host.sum_grads is not None:
+        host.sum_grads(params)
+    return params
+
+
+def optim_step(host: ModelHost, adam: AdamParams) -> OptimStepOutput:
+    """Sum the gradients over the replicas, clip the global grad norm, step AdamW with `adam`,
+    zero the gradients."""
+    params = _summed_grads(host)
     max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     for group in host.optimizer.param_groups:
@@ -334,13 +350,15 @@ def optim_step(host: ModelHost, adam: AdamParams) -> OptimStepOutput:
                            learning_rate=adam.learning_rate)
 
 
-def grad_squares(host: ModelHost) -> dict[str, float]:
-    """Squared gradient norm of each trainable parameter (those with a gradient)."""
-    return {name: float(p.grad.detach().double().pow(2).sum())
-            for name, p in host.trainable().items() if p.grad is not None}
-
-
-def zero_grads(host: ModelHost) -> None:
-    """Drop the accumulated gradients (an inspection that must not step)."""
+def grad_squares(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig
+                 ) -> dict[str, float]:
+    """Squared gradient norm of each trainable parameter (those with a gradient) for these
+    datums, summed over the replicas, without stepping: the gradients, and any accumulated
+    before, are dropped afterwards."""
+    forward(host, datums, loss_fn, cfg, backward=True)
+    _summed_grads(host)
+    squares = {name: float(p.grad.detach().double().pow(2).sum())
+               for name, p in host.trainable().items() if p.grad is not None}
     host.optimizer.zero_grad(set_to_none=True)
+    return squares
 

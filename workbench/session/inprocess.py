@@ -1,19 +1,15 @@
-"""The training-session primitives (Tinker's shape), in-process backend.
+"""The in-process session: one model host and the threads that run the clients' calls.
 
     session = create_session(SessionSpec(model="tiny", lora=LoraSettings(rank=8)))
-    tc = session.training_client
-    fb = tc.forward_backward(datums, "ppo")          # returns a future at once
-    opt = tc.optim_step(AdamParams(learning_rate=3e-4))  # queued behind forward_backward
-    fb.result(), opt.result()
-    sampler = tc.save_weights_and_get_sampling_client()
-    sampler.sample(prompt_stream, 4, SamplingParams()).result()
+    tc = session.training_client                      # session.clients, over this executor
+    tc.forward_backward(datums, "ppo"); tc.optim_step(AdamParams(learning_rate=3e-4))
 
-Every call returns a `concurrent.futures.Future`. All calls that touch the model run on one
-worker thread in submission order, so a forward_backward and an optim_step may both be submitted
-before either is awaited. A SamplingClient is bound to the weights version it was created with:
-it swaps that LoRA snapshot in for its calls and the trainer's weights back afterwards. With
-vLLM (an engine with weights of its own) its `sample` and `play` instead run in order on a
-second thread, from the version's snapshot, so a rollout can run while the trainer updates
+All calls that touch the model run on one worker thread, the trainer's lane, in submission
+order, so a forward_backward and an optim_step may both be submitted before either is awaited.
+A SamplingClient is bound to the weights version it was created with: it swaps that LoRA
+snapshot in for its calls and the trainer's weights back afterwards. With vLLM (an engine with
+weights of its own) its `sample` and `play` instead run in order on a second thread, the
+sampler's lane, from the version's snapshot, so a rollout can run while the trainer updates
 (`algorithm.off_policy_steps=1`); `compute_logprobs` (the model's own forward) stays on the first.
 
 The behaviour is the public functions of `session.host`; the Ray backend (`workbench.cluster`)
@@ -23,136 +19,24 @@ runs the same functions inside its trainer and sampler actors.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from workbench.model import LoraSettings
-from workbench.policy import SamplingParams, Stream
 from workbench.session import checkpoint, host
-from workbench.session.host import EpisodeLoop, ModelHost
-from workbench.session.losses import LossConfig
+from workbench.session.clients import Call, TrainingClient
+from workbench.session.host import ModelHost
 from workbench.session.spec import SessionSpec
-from workbench.session.types import AdamParams, Datum
-
-
-class SamplingClient:
-    """Samples from one frozen weights version of the policy."""
-
-    def __init__(self, session: Session, version: int) -> None:
-        self._session, self.version = session, version
-
-    def _submit(self, fn: Callable[[ModelHost], Any]) -> Future:
-        def run(h: ModelHost) -> Any:
-            host.use_version(h, self.version)
-            return fn(h)
-        return self._session.submit_sampling(run)
-
-    def sample(self, prompt: Stream, num_samples: int, sampling_params: SamplingParams,
-               seed: int = 0) -> Future:
-        """num_samples replies to `prompt` -> Future[SampleResponse]."""
-        return self._submit(lambda h: host.sample(h, prompt, num_samples, sampling_params, seed))
-
-    def compute_logprobs(self, prompt: Stream, temperature: float = 1.0) -> Future:
-        """Per-token log-probs of the prompt's own tokens -> Future[list[float]] (first is 0)."""
-        v = self.version  # the model's own forward: on the trainer's lane
-        return self._session.submit(lambda h: host.compute_logprobs(h, v, prompt, temperature))
-
-    def play(self, loop: EpisodeLoop, task: Any, init_states_P: list[Any], n: int,
-             params: SamplingParams, seed: int) -> Future:
-        """loop(...) beside the sampler: n episodes per initial state of `task` (any
-        environment of `envs.protocol`; the loop is `rl.rollout.play_episodes`)
-        -> Future[episodes_P_G]."""
-        return self._submit(lambda h: host.play(h, loop, task, init_states_P, n, params, seed))
-
-
-class TrainingClient:
-    """The trainer side of a session: forward/backward, optimiser, state, sampler weights."""
-
-    def __init__(self, session: Session) -> None:
-        self._session = session
-
-    def forward(self, datums: list[Datum], loss_fn: str = "cross_entropy",
-                loss_fn_config: LossConfig | None = None) -> Future:
-        """Loss and trainer log-probs without gradients -> Future[ForwardBackwardOutput]."""
-        cfg = loss_fn_config or LossConfig()
-        host.warn_if_empty("forward", datums)
-        return self._session.submit(lambda h: host.forward(h, datums, loss_fn, cfg, backward=False))
-
-    def forward_backward(self, datums: list[Datum], loss_fn: str,
-                         loss_fn_config: LossConfig | None = None) -> Future:
-        """Accumulate gradients of the loss -> Future[ForwardBackwardOutput]; no datums: a
-        RuntimeWarning and an output marked empty."""
-        cfg = loss_fn_config or LossConfig()
-        host.warn_if_empty("forward_backward", datums)
-        return self._session.submit(lambda h: host.forward(h, datums, loss_fn, cfg, backward=True))
-
-    def optim_step(self, adam: AdamParams) -> Future:
-        """Clip, step AdamW with `adam`, zero the grads -> Future[OptimStepOutput]."""
-        return self._session.submit(lambda h: host.optim_step(h, adam))
-
-    def save_state(self, name: str) -> Future:
-        """Weights + optimiser to workdir/states/<name> (atomic) -> Future[path]."""
-        return self._session.submit(
-            lambda h: str(checkpoint.save_state(h, h.workdir / "states" / name)))
-
-    def save_state_to(self, folder: str | Path) -> Future:
-        """Weights + optimiser to an explicit folder (atomic) -> Future[path]."""
-        return self._session.submit(lambda h: str(checkpoint.save_state(h, Path(folder))))
-
-    def load_state(self, path: str | Path, with_optimizer: bool = True) -> Future:
-        """Restore weights (and the optimiser) from a saved state -> Future[None]."""
-        return self._session.submit(lambda h: checkpoint.load_state(h, Path(path), with_optimizer))
-
-    def load_adapter(self, folder: str | Path) -> Future:
-        """Load an exported PEFT adapter (same base model only) -> Future[None]."""
-        return self._session.submit(lambda h: checkpoint.load_adapter_weights(h, Path(folder)))
-
-    def save_weights_for_sampler(self, name: str) -> Future:
-        """Export the adapter in PEFT format to workdir/sampler_weights/<name> -> Future[path]."""
-        folder = self._session.workdir / "sampler_weights" / name
-        return self._session.submit(lambda h: str(checkpoint.export_adapter(h, folder)))
-
-    def export_adapter(self, folder: str | Path) -> Future:
-        """Export the adapter in PEFT format to `folder` -> Future[path]."""
-        return self._session.submit(lambda h: str(checkpoint.export_adapter(h, Path(folder))))
-
-    def export_model(self, folder: str | Path) -> Future:
-        """A complete checkpoint folder (LoRA merged in) that load_model reads -> Future[path]."""
-        return self._session.submit(lambda h: str(checkpoint.export_model(h, Path(folder))))
-
-    def save_weights_and_get_sampling_client(self) -> SamplingClient:
-        """Snapshot the current weights as a sampler version and return its client."""
-        return SamplingClient(self._session, self._session.submit(host.save_version).result())
-
-    def grad_squares(self, datums: list[Datum], loss_fn: str,
-                     loss_fn_config: LossConfig | None = None) -> Future:
-        """Squared gradient norm of each trainable parameter for these datums, without
-        stepping (gradients accumulated before are dropped too) -> Future[dict[str, float]]."""
-        cfg = loss_fn_config or LossConfig()
-
-        def run(h: ModelHost) -> dict[str, float]:
-            host.forward(h, datums, loss_fn, cfg, backward=True)
-            squares = host.grad_squares(h)
-            host.zero_grads(h)
-            return squares
-        return self._session.submit(run)
-
-    def get_tokenizer(self) -> Any:
-        """The policy's tokenizer."""
-        return self._session.host.lm.processor.tokenizer
-
-    def get_processor(self) -> Any:
-        """The policy's processor (tokenizer + image processor)."""
-        return self._session.host.lm.processor
+from workbench.session.types import Datum
 
 
 class Session:
     """An in-process session: one model host and the thread that runs its calls in order. With
     an engine that samples from weights of its own (vLLM), sampling calls run in order on a
-    second thread, the sampler lane, beside the trainer's calls (`overlaps_sampling`)."""
+    second thread, the sampler lane, beside the trainer's calls (`overlaps_sampling`). It is the
+    clients' `Executor` with one replica and one engine."""
 
     recoverable_errors: tuple[type[BaseException], ...] = ()  # nothing to reopen in-process
 
@@ -173,15 +57,32 @@ class Session:
         """Whether sampling calls run beside the trainer's (a lane of their own)."""
         return self._sampler_pool is not self._pool
 
-    def submit(self, fn: Callable[[ModelHost], Any]) -> Future:
-        """Queue fn(host) behind the trainer's calls submitted before it (and every sampling
-        call too, unless the session `overlaps_sampling`)."""
-        return self._pool.submit(fn, self.host)
+    def submit(self, fn: Call, *args: Any) -> Future:
+        """Queue fn(host, *args) behind the trainer's calls submitted before it (and every
+        sampling call too, unless the session `overlaps_sampling`)."""
+        return self._pool.submit(fn, self.host, *args)
 
-    def submit_sampling(self, fn: Callable[[ModelHost], Any]) -> Future:
-        """Queue a sampling call fn(host): behind the sampling calls before it, and beside the
-        trainer's when the session `overlaps_sampling` (else behind every call)."""
-        return self._sampler_pool.submit(fn, self.host)
+    def submit_all(self, fn: Call, *args: Any) -> Future:
+        """One replica: `submit`."""
+        return self.submit(fn, *args)
+
+    def submit_batch(self, fn: Call, datums: list[Datum], *args: Any) -> Future:
+        """One replica: fn(host, datums, *args) on the trainer's lane."""
+        return self.submit(fn, datums, *args)
+
+    def submit_sampling(self, fn: Call, *args: Any, model: bool = False) -> Future:
+        """Queue a sampling call fn(host, *args): behind the sampling calls before it, and
+        beside the trainer's when the session `overlaps_sampling` (else behind every call).
+        model: fn runs the model's own forward, so it goes on the trainer's lane."""
+        return (self._pool if model else self._sampler_pool).submit(fn, self.host, *args)
+
+    def submit_spread(self, fn: Call, items: list[Any], *args: Any, seed: int) -> Future:
+        """One engine: fn(host, items, *args, seed) on the sampler's lane."""
+        return self.submit_sampling(fn, items, *args, seed)
+
+    def sync_weights(self) -> int:
+        """Snapshot the trainer's weights as a sampler version (on the trainer's lane)."""
+        return self.submit(host.save_version).result()
 
     def close(self) -> None:
         """Finish the queued calls, then free the sampler engine (vLLM's process and GPU share)."""

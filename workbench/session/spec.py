@@ -111,7 +111,7 @@ class SessionSpec:
 
     model: str = "tiny"  # "tiny", "tiny-sft", a checkpoint folder or a hub id
     lora: LoraSettings | None = field(default_factory=LoraSettings)  # None: full fine-tuning
-    workdir: str = "runs/session"  # states/, sampler_weights/ and engine adapters go here
+    workdir: str = "runs/session"  # states/, exports/ and engine adapters go here
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda
     engine: EngineSettings = field(default_factory=EngineSettings)

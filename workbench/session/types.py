@@ -73,6 +73,13 @@ class ForwardBackwardOutput:
                 f" entropy {m.get('entropy', 0.0):.3g})")
 
 
+def empty_output() -> ForwardBackwardOutput:
+    """What a forward of no datums returns: marked empty (nothing computed)."""
+    return ForwardBackwardOutput(0.0, {"loss": 0.0, "kl_sampler_trainer": 0.0,
+                                       "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}, [],
+                                 empty=True)
+
+
 @dataclass(frozen=True)
 class OptimStepOutput:
     """What one optimiser step did."""
