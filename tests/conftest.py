@@ -288,7 +288,7 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_spec::test_a_spec_round_trips_through_its_file": (),
     "test_storage::test_run_dir_on_s3_is_mirrored_and_resumed_from_s3": ("slow",),  # 20 s
     "test_tasks::test_room_plays_through_the_session_and_the_phases": ("slow",),  # 25 s
-    "test_tasks::test_room_trains_and_evaluates_from_the_command_line": ("slow",),  # 16 s
+    "test_tasks::test_room_trains_and_evaluates_from_the_command_line": ("slow",),  # 23 s
     "test_vllm_engine::test_real_vllm_matches_the_trainer": ("gpu",),
     "test_viz::test_executed_notebook_html_shows_the_player_without_javascript":
         ("notebook", "slow"),  # a kernel and nbconvert, 7 s

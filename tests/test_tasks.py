@@ -144,13 +144,13 @@ def test_room_trains_and_evaluates_from_the_command_line(tiny_dir: Path, tmp_pat
                                                          capsys: pytest.CaptureFixture) -> None:
     """`python -m workbench sft env.task=room`, then `train env.task=room` from that model:
     oracle SFT on room states, GRPO steps with an update, evaluations against the room's
-    ceiling, step records and the manifest's reward hash (about 16 s)."""
+    ceiling, step records that replay exactly and the manifest's reward hash (about 23 s)."""
     sft, grpo = tmp_path / "sft", tmp_path / "grpo"
     main(["sft", *ROOM_RUN, f"model.name={tiny_dir}", "sft.steps=30", "sft.batch_size=4",
           "sft.learning_rate=3e-3", f"run_dir={sft}"])
     main(["train", *ROOM_RUN, f"model.name={sft / 'model'}", "generator.max_tokens=2",
           "generator.n_samples_per_prompt=4", "trainer.train_batch_size=2",
-          "trainer.total_steps=2", "algorithm.learning_rate=1e-3", "trainer.ckpt_interval=0",
+          "trainer.total_steps=2", "algorithm.learning_rate=1e-3", "trainer.ckpt_interval=1",
           "eval.n_mazes=4", "eval.sampled_passes=1", f"run_dir={grpo}"])
     out = capsys.readouterr().out
     assert "SFT steps: 30/30" in out and "GRPO steps: 2/2" in out
@@ -160,7 +160,10 @@ def test_room_trains_and_evaluates_from_the_command_line(tiny_dir: Path, tmp_pat
     ceiling = RoomConfig(size=5, max_turns=4).ceiling(TASKS["room"].eval_states(5, 4))
     assert [r["step"] for r in steps] == [1, 2] and [r["step"] for r in evals] == [0, 2]
     assert all(r["eval/ceiling"] == ceiling == 4 and r["eval/n_mazes"] == 4 for r in evals)
-    assert any(r["update/datums"] > 0 for r in steps), "no step had a group with signal"
+    updated = [r["step"] for r in steps if r["update/datums"] > 0]
+    assert updated, "no step had a group with signal"
+    main(["replay", str(grpo), "--step", str(updated[0])])  # datums redrawn from room states
+    assert capsys.readouterr().out.rstrip().endswith("exact")
     record = json.loads((grpo / "steps" / "step_000001" / "episodes.json").read_text())
     first = record["episodes_P_G"][0][0]["init_state"]
     assert RoomState(**first | {"start": tuple(first["start"]), "goal": tuple(first["goal"])}) \
