@@ -86,8 +86,8 @@ def _update_batch():
     session = create_session(SessionSpec("tiny", config.lora,
                                          workdir="/tmp/workbench-bench"))
     sampler = session.training_client.save_weights_and_get_sampling_client()
-    ro = phases.rollout(sampler, config.maze, step_mazes(config, 1), 8,
-                        SamplingParams(max_tokens=2, temperature=1.0), seed=0)
+    ro = phases.rollout(sampler, phases.Batch(config.task, step_mazes(config, 1), 8,
+                                              SamplingParams(max_tokens=2, temperature=1.0), 0))
     adv = phases.advantages(phases.score(ro).rewards_P_G, "parity")
     return session, phases.make_datums(ro, adv)
 

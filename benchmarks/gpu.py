@@ -204,7 +204,7 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
             host = getattr(trainer.session, "host", None)  # in-process sessions only
             if host is None:
                 raise SystemExit("--decode times the in-process engine: use --backend inprocess")
-            prompts = first_prompts(trainer.training_client.get_processor(), config.maze,
+            prompts = first_prompts(trainer.training_client.get_processor(), config.task,
                                     args.mazes)
             summary["decode"] = time_decode(host.engine, prompts, args.group, args.decode)
     finally:

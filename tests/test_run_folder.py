@@ -245,7 +245,7 @@ def test_resume_refuses_a_changed_config_naming_each_key(copy, tiny_dir, small_r
         start(config, log=_quiet)
     assert str(info.value) == (
         f"cannot resume from {copy.local / 'checkpoints' / 'global_step_2'} with another config: "
-        "lora.rank 4 -> 8, algorithm.learning_rate 0.001 -> 0.0003. Only "
+        "algorithm.learning_rate 0.001 -> 0.0003, lora.rank 4 -> 8. Only "
         f"{', '.join(RESUMABLE)} may change on resume. Start a new run with another run_dir, "
         "or start this one over with trainer.resume_mode=none trainer.overwrite=true (which "
         "deletes it)")

@@ -258,7 +258,7 @@ def test_config_selects_engine_with_skyrl_alias() -> None:
     merged = apply_overrides(RunConfig(), ["engine.name=vllm", "engine.vllm_lora=merged"])
     assert session_spec(merged, "/tmp/w").engine.vllm_lora == "merged"
     assert RunConfig().engine.vllm_lora == "adapter"
-    with pytest.raises(ConfigError, match=r"generator\.vllm_lora='merge'.*'adapter', 'merged'"):
+    with pytest.raises(ConfigError, match=r"engine\.vllm_lora='merge'.*'adapter', 'merged'"):
         apply_overrides(RunConfig(), ["engine.vllm_lora=merge"])
 
 

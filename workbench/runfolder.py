@@ -501,8 +501,9 @@ def _save_mirror_state(local: Path, state: dict[str, list[int]]) -> None:
 
 def mirror_run(local: Path, config: RunConfig) -> list[str]:
     """Upload what changed in the working copy `local` of an s3:// run_dir since the last call
-    (nothing to do for a local run_dir): complete checkpoint and export folders whole (COMPLETE
-    last), then other files, then the latest marker. Returns the keys uploaded."""
+    (nothing to do for a local run_dir): the files (metrics, eval results) first, then complete
+    checkpoint and export folders whole (COMPLETE last), then the latest marker, so a checkpoint
+    complete on S3 always has its step's metric rows beside it. Returns the keys uploaded."""
     store, local = storage.open_store(config.run_dir, config.storage.endpoint_url), Path(local)
     if not store.s3:
         return []
@@ -512,15 +513,19 @@ def mirror_run(local: Path, config: RunConfig) -> list[str]:
     changed = {k for k, v in now.items() if done.get(k) != v}
     folders = sorted({"/".join(k.split("/")[:2]) for k in changed
                       if k.split("/")[0] in (CHECKPOINTS, EXPORTS) and k.count("/") >= 2})
+    files = sorted(k for k in changed if k.split("/")[0] not in (CHECKPOINTS, EXPORTS))
+    for key in [k for k in files if k != LATEST]:
+        storage.put_file(store, key, local / key)
+        sent.append(key)
+        done[key] = now[key]
     for folder in folders:
         if (local / folder / COMPLETE).is_file():
             storage.put_folder(store, folder, local / folder)
             sent.append(folder)
             done |= {k: now[k] for k in now if k.startswith(folder + "/")}
-    files = sorted(k for k in changed if k.split("/")[0] not in (CHECKPOINTS, EXPORTS))
-    for key in sorted(files, key=lambda k: k == LATEST):  # the marker last
-        storage.put_file(store, key, local / key)
-        sent.append(key)
-        done[key] = now[key]
+    if LATEST in files:  # the marker last
+        storage.put_file(store, LATEST, local / LATEST)
+        sent.append(LATEST)
+        done[LATEST] = now[LATEST]
     _save_mirror_state(local, done)
     return sent
