@@ -9,7 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
-from test_readme import LINK, anchors, prose
+from test_readme import broken_links
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "RESULTS.md"
@@ -62,14 +62,5 @@ def test_the_check_finds_each_kind_and_spares_the_products_words() -> None:
 
 @pytest.mark.parametrize("page", [RESULTS], ids=lambda p: str(p.relative_to(ROOT)))
 def test_the_results_links_and_pictures_resolve(page: Path) -> None:
-    broken = []
-    for m in LINK.finditer(prose(page)):
-        path, _, anchor = m["target"].partition("#")
-        if re.match(r"^[a-z][a-z0-9+.-]*:", path):
-            continue
-        file = (page.parent / path).resolve() if path else page
-        if not file.exists():
-            broken.append(f"{m['target']}: no such file")
-        elif anchor and file.suffix == ".md" and anchor not in anchors(file):
-            broken.append(f"{m['target']}: no heading #{anchor} in {file.name}")
+    broken = broken_links(page)
     assert not broken, f"{page.relative_to(ROOT)}: {broken}"

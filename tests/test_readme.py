@@ -204,8 +204,8 @@ def test_every_docs_page_is_linked_from_the_readme() -> None:
     assert DOCS and not missing, f"docs pages not linked from README.md: {missing}"
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_relative_links_and_images_resolve(page: Path) -> None:
+def broken_links(page: Path) -> list[str]:
+    """The relative links and images of a page whose file or heading does not exist."""
     broken = []
     for m in LINK.finditer(prose(page)):
         target = m["target"]
@@ -217,6 +217,12 @@ def test_relative_links_and_images_resolve(page: Path) -> None:
             broken.append(f"{target}: no such file")
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target}: no heading #{anchor} in {file.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_and_images_resolve(page: Path) -> None:
+    broken = broken_links(page)
     assert not broken, f"{page.relative_to(ROOT)}: {broken}"
 
 
