@@ -26,8 +26,12 @@ def workbench_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """$WORKBENCH_CACHE points at a temp dir of this test run, so no test touches ~/.cache.
     The pytest-xdist workers of `make test` share it: the first to need tiny-sft builds it, and
     the other waits on the build's lock (model/tiny.py, build_atomically) instead of repeating
-    it."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    it. WORKBENCH_TEST_CACHE=<folder> keeps one cache across test runs instead (the folders are
+    named by the hash of what built them, so a changed recipe builds anew)."""
+    if os.environ.get("WORKBENCH_TEST_CACHE"):
+        root = Path(os.environ["WORKBENCH_TEST_CACHE"])
+        root.mkdir(parents=True, exist_ok=True)
+    elif os.environ.get("PYTEST_XDIST_WORKER"):
         root = tmp_path_factory.getbasetemp().parent / "workbench-cache"
         root.mkdir(exist_ok=True)
     else:
