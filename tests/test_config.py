@@ -334,3 +334,29 @@ def test_a_session_spec_is_the_config_sections_with_what_the_run_fills_in(tmp_pa
     assert not spec.speed.cuda_graphs  # a CPU run: no CUDA graphs, whatever speed.cuda_graphs
     write_spec(spec)
     assert read_spec(tmp_path) == spec
+
+
+def test_notebook_config_switches_the_recipe_by_its_parameters() -> None:
+    """PRESET, DEVICE and OVERRIDES of a notebook's parameters cell: the notebook's tuning of
+    the tiny preset is not carried into the seed's recipe; None leaves the preset's value;
+    OVERRIDES win; a bad preset names the valid ones."""
+    from workbench.notebook import NOTEBOOK_TUNING, notebook_config
+
+    sizes = ["trainer.train_batch_size=2", "algorithm.learning_rate=None"]
+    tiny = notebook_config(sizes, "", "runs/x")
+    assert tiny == apply_overrides(PRESETS["tiny"], [*NOTEBOOK_TUNING["tiny"], sizes[0],
+                                                     "run_dir=runs/x"])
+    assert (tiny.generator.max_tokens, tiny.lora.rank, tiny.algorithm.learning_rate) == (2, 8, 1e-3)
+    seed = notebook_config(sizes, "", "runs/y", "seed_gpu")
+    assert (seed.generator.max_tokens, seed.lora.rank) == (32, 32)
+    assert seed.algorithm.learning_rate == 1e-5
+    assert (seed.model.device, seed.model.dtype, seed.engine.name) == ("cuda", "bfloat16", "vllm")
+    assert seed.trainer.train_batch_size == 2 and seed.run_dir == "runs/y"
+    gpu_tiny = notebook_config(sizes, "", "", "tiny", "cuda",
+                               ["model.dtype=bfloat16", "engine.name=vllm", "lora.rank=4"])
+    assert (gpu_tiny.model.device, gpu_tiny.model.dtype, gpu_tiny.engine.name) == (
+        "cuda", "bfloat16", "vllm")
+    assert gpu_tiny.lora.rank == 4  # OVERRIDES come after the notebook's tuning
+    choices = r"unknown preset 'seed'; choose one of \['seed_gpu', 'tiny'\]"
+    with pytest.raises(ConfigError, match=choices):
+        notebook_config(sizes, preset_name="seed")

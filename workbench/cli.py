@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys
+from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys, preset
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.rl.replay import ReplayError
 from workbench.serve.engine import ENGINES
@@ -29,9 +29,7 @@ from workbench.storage import StorageError
 
 
 def _config(args: argparse.Namespace) -> RunConfig:
-    if args.preset not in PRESETS:
-        raise ConfigError(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    return apply_overrides(PRESETS[args.preset], args.overrides)
+    return apply_overrides(preset(args.preset), args.overrides)
 
 
 def _train(args: argparse.Namespace) -> None:

@@ -520,3 +520,10 @@ PRESETS: dict[str, RunConfig] = {
         run_dir="runs/seed_gpu",
     ),
 }
+
+
+def preset(name: str) -> RunConfig:
+    """PRESETS[name], or a ConfigError naming the presets."""
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]

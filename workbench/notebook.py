@@ -1,6 +1,7 @@
 """Helpers the notebooks call (kept here, not in cells, so they are tested and reusable).
 
-    config = notebook_config(["env.size=5"], ray_address="", run_dir="runs/nb/00")
+    config = notebook_config(["env.size=5"], ray_address="", run_dir="runs/nb/00",
+                             preset_name="tiny", device="", overrides=["lora.rank=16"])
     model = policy_model("tiny", sft_steps=40, config=config)     # a short oracle SFT first
     proc = start_train_process(overrides, log_path)               # `python -m workbench train`
     rows = live_plot(run_dir, done=lambda: proc.poll() is not None)
@@ -19,15 +20,37 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workbench.config import PRESETS, RunConfig, apply_overrides
+from workbench.config import RunConfig, apply_overrides, preset
+
+# What the notebooks change in each preset so that a step fits a cell: the tiny policy replies
+# in two tokens and learns at 1e-3 with a rank-8 adapter; the seed's recipe stands as it is.
+NOTEBOOK_TUNING: dict[str, tuple[str, ...]] = {
+    "tiny": ("generator.max_tokens=2", "lora.rank=8", "lora.alpha=16", "sft.batch_size=8",
+             "sft.learning_rate=3e-3", "algorithm.learning_rate=1e-3"),
+    "seed_gpu": (),
+}
 
 
-def notebook_config(overrides: list[str], ray_address: str = "", run_dir: str | Path = "",
-                    preset: str = "tiny") -> RunConfig:
-    """A preset with overrides, the cluster address ("" in-process, "local", "auto",
-    "ray://host:port") and the run directory."""
+def notebook_overrides(preset_name: str, settings: list[str], device: str = "",
+                       overrides: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """The dotted keys a notebook applies to its preset, in order: NOTEBOOK_TUNING[preset_name],
+    the notebook's own settings (from its parameters; one whose value is None is left out, so
+    the preset's stands), model.device=<device> unless device is "", then `overrides` (the
+    OVERRIDES parameter), which win."""
+    preset(preset_name)  # a ConfigError naming the presets
+    chosen = [s for s in settings if s.partition("=")[2] != "None"]
+    placed = [f"model.device={device}"] if device else []
+    return [*NOTEBOOK_TUNING.get(preset_name, ()), *chosen, *placed, *overrides]
+
+
+def notebook_config(settings: list[str], ray_address: str = "", run_dir: str | Path = "",
+                    preset_name: str = "tiny", device: str = "",
+                    overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """PRESETS[preset_name] with `notebook_overrides`, the cluster address ("" in-process,
+    "local", "auto", "ray://host:port") and the run directory."""
     extra = [f"cluster.address={ray_address}"] + ([f"run_dir={run_dir}"] if run_dir else [])
-    return apply_overrides(PRESETS[preset], list(overrides) + extra)
+    keys = notebook_overrides(preset_name, settings, device, overrides) + extra
+    return apply_overrides(preset(preset_name), keys)
 
 
 def policy_model(base: str, sft_steps: int, config: RunConfig, out_dir: str | Path = "",
@@ -55,12 +78,15 @@ def comparable(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def start_train_process(overrides: list[str], log_path: str | Path,
-                        env: dict[str, str] | None = None) -> subprocess.Popen:
-    """`python -m workbench train <overrides>` as a child process, output to log_path."""
+                        env: dict[str, str] | None = None,
+                        preset_name: str = "tiny") -> subprocess.Popen:
+    """`python -m workbench train --preset <preset_name> <overrides>` as a child process,
+    output to log_path."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "workbench", "train", "--preset", preset_name, *overrides]
     with open(log_path, "w") as log:
-        return subprocess.Popen([sys.executable, "-m", "workbench", "train", *overrides],
+        return subprocess.Popen(command,
                                 stdout=log, stderr=subprocess.STDOUT, env=env or dict(os.environ))
 
 

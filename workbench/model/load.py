@@ -143,13 +143,20 @@ def resolve_model_path(name_or_path: str) -> str:
 
 def load_model(
     name_or_path: str = TINY_NAME,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
     """Load model + processor from "tiny", a local folder, or a hub id; eval mode. A name of
-    `workbench.model.presets.SHAPES` builds that shape with random weights on `device`."""
+    `workbench.model.presets.SHAPES` builds that shape with random weights on `device`.
+    `dtype` is a torch dtype or its name as model.dtype writes it ("bfloat16")."""
     from workbench.model.presets import SHAPES, build_random
+
+    if isinstance(dtype, str):
+        named = getattr(torch, dtype, None)
+        if not isinstance(named, torch.dtype):
+            raise ValueError(f"dtype {dtype!r} is not a torch dtype (float32, bfloat16, float16)")
+        dtype = named
 
     problem = model_name_problem(name_or_path)
     if problem:
