@@ -282,6 +282,8 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_notebooks::test_06_serve_on_local_ray": ("notebook", "ray", "slow"),
     "test_notebooks::test_07_session_api_on_local_ray": ("notebook", "ray", "slow"),
     "test_notebooks::test_trajectory_player_in_a_real_browser": ("notebook", "browser", "slow"),
+    "test_notebooks::test_saved_notebook_without_a_kernel_in_a_real_browser":
+        ("notebook", "browser", "slow"),  # nbclient, JupyterLab and chromium, no model
     "test_registry::test_eval_straight_from_s3": ("slow",),  # 9 s
     "test_run_folder::test_latest_starts_fresh_over_what_a_start_writes_first": (),
     "test_run_folder::test_sft_refuses_a_run_folder_unless_sft_overwrite": (),

@@ -1,8 +1,9 @@
 """The notebooks: committed clean, run by papermill with their committed parameters (only
 OUT_DIR passed) on a kernel of this environment, their recorded metrics asserted (each
 notebook's last cell writes them with workbench.notebook_checks.record_metrics), their pictures kept
-in the saved notebook; and one run in a real browser (JupyterLab + Debian's
-chromium driven by Playwright).
+in the saved notebook, readable without a kernel (no widget repr as text); one run in a real
+browser (JupyterLab + Debian's chromium driven by Playwright), and a saved notebook opened there
+with no kernel.
 
 The kernel is a kernelspec named workbench-test whose argv is this interpreter, written to a
 temporary JUPYTER_PATH, so a clean clone needs nothing registered beforehand.
@@ -19,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -98,13 +100,43 @@ def picture_cells(executed: Path) -> list[tuple[str, set[str]]]:
             and any(p in c.source for p in PICTURES) and "import " not in c.source]
 
 
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def widget_repr(text: str) -> bool:
+    """Whether a text/plain is an ipywidgets repr (`VBox(children=(...`, `Output()`)."""
+    import ipywidgets
+
+    names = {n for n, v in vars(ipywidgets).items()
+             if isinstance(v, type) and issubclass(v, ipywidgets.Widget)}
+    return text.split("(", 1)[0] in names and "(" in text
+
+
+def assert_widgets_read_without_a_kernel(executed: Path) -> None:
+    """What a front end that cannot show a widget shows (an untrusted notebook in JupyterLab,
+    nbconvert without widget state, GitHub): no output's text/plain is a widget's repr, and
+    a viewer's widget output follows its picture and has one line saying what it shows."""
+    nb = nbformat.read(executed, as_version=4)
+    for cell in (c for c in nb.cells if c.cell_type == "code"):
+        where = f"{executed.name}: {cell.source.splitlines()[0]!r}"
+        data = [o.get("data", {}) for o in cell.outputs]
+        for k, d in enumerate(data):
+            text = d.get("text/plain", "")
+            assert not widget_repr(text), f"{where}: {text!r}"
+            if WIDGET in d and any(v in cell.source for v in VIEWERS):  # not a progress bar
+                assert any("image/png" in e for e in data[:k]), f"{where}: no picture"
+                assert "\n" not in text and "run the cell to" in text, f"{where}: {text!r}"
+
+
 def assert_pictures_saved(executed: Path) -> None:
     """Every viewer and plot cell keeps an image/png in the saved notebook (a viewer also
-    keeps its live widget), so a viewer without JavaScript still shows it."""
+    keeps its live widget), so a viewer without JavaScript still shows it; widgets read
+    cleanly without a kernel (assert_widgets_read_without_a_kernel)."""
     cells = picture_cells(executed)
     assert cells, f"{executed.name} shows no picture"
     for first_line, mimetypes in cells:
         assert "image/png" in mimetypes, f"{executed.name}: no image/png from {first_line!r}"
+    assert_widgets_read_without_a_kernel(executed)
 
 
 # The default runs: each notebook with exactly its committed parameters (only OUT_DIR passed),
@@ -299,21 +331,10 @@ def _wait_for_server(url: str, proc: subprocess.Popen, timeout_s: float = 120) -
     raise TimeoutError(f"jupyter lab did not answer at {url}")
 
 
-@pytest.fixture
-def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
-    """JupyterLab on 127.0.0.1 over a folder holding 02_rollouts with tiny parameters; its URL."""
-    from papermill.iorw import load_notebook_node
-    from papermill.parameterize import parameterize_notebook
-
-    if reason := _browser_missing():
-        pytest.skip(reason)
-    root = tmp_path / "lab"
-    root.mkdir()
-    nb = load_notebook_node(str(NOTEBOOKS / "02_rollouts.ipynb"))
-    nb = parameterize_notebook(nb, {"OUT_DIR": str(tmp_path / "out")})  # its defaults
-    nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python (workbench test)",
-                                 "language": "python"}  # found at once: no kernel prompt
-    nbformat.write(nb, root / "02_rollouts.ipynb")
+@contextmanager
+def _jupyter_lab(root: Path, tmp_path: Path) -> Iterator[str]:
+    """JupyterLab on 127.0.0.1 over `root` (its own config, settings and workspaces under
+    tmp_path); yields the URL of `<root>/{}` with its token, to be formatted with a file."""
     settings = tmp_path / "settings" / "@jupyterlab" / "apputils-extension"
     settings.mkdir(parents=True)
     (settings / "notification.jupyterlab-settings").write_text(json.dumps({"fetchNews": "false"}))
@@ -329,13 +350,32 @@ def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
         env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"))
     try:
         _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", proc)
-        yield f"http://127.0.0.1:{port}/lab/tree/02_rollouts.ipynb?token={token}"
+        yield f"http://127.0.0.1:{port}/lab/tree/{{}}?token={token}"
     finally:
         proc.terminate()
         try:
             proc.wait(timeout=20)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+@pytest.fixture
+def lab(kernel: str, tmp_path: Path, sft_model: str) -> Iterator[str]:
+    """JupyterLab on 127.0.0.1 over a folder holding 02_rollouts with tiny parameters; its URL."""
+    from papermill.iorw import load_notebook_node
+    from papermill.parameterize import parameterize_notebook
+
+    if reason := _browser_missing():
+        pytest.skip(reason)
+    root = tmp_path / "lab"
+    root.mkdir()
+    nb = load_notebook_node(str(NOTEBOOKS / "02_rollouts.ipynb"))
+    nb = parameterize_notebook(nb, {"OUT_DIR": str(tmp_path / "out")})  # its defaults
+    nb.metadata["kernelspec"] = {"name": kernel, "display_name": "Python (workbench test)",
+                                 "language": "python"}  # found at once: no kernel prompt
+    nbformat.write(nb, root / "02_rollouts.ipynb")
+    with _jupyter_lab(root, tmp_path) as url:
+        yield url.format("02_rollouts.ipynb")
 
 
 def _run_all_cells(page, expect, attempts: int = 4) -> None:
@@ -398,3 +438,60 @@ def test_trajectory_player_in_a_real_browser(lab: str) -> None:
             page.screenshot(path=str(ARTIFACTS / "browser_02_rollouts.png"), full_page=True)
             browser.close()
 
+
+
+@pytest.fixture
+def saved_lab(kernel: str, tmp_path: Path) -> Iterator[str]:
+    """JupyterLab over a saved notebook (executed by nbclient, then written as a download or a
+    clone holds it: not trusted here) showing a trajectory player and a group view of scripted
+    episodes (no model); its URL."""
+    from nbclient import NotebookClient
+
+    from workbench.envs import MazeConfig
+    from workbench.envs.tasks import SCRIPTED
+    from workbench.rl.rollout import episode_summary, play_scripted
+
+    if reason := _browser_missing():
+        pytest.skip(reason)
+    groups = play_scripted(SCRIPTED["oracle"], MazeConfig(size=5, max_turns=6), eval_set(5, 1))
+    records = [episode_summary(groups[0][0])] * 2
+    cells = [f"from workbench.viz import group_view, trajectory_player\nrecords = {records!r}",
+             "trajectory_player(records[0])", "group_view(records, [0.5, -0.5])"]
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    NotebookClient(nb, kernel_name=kernel, timeout=60).execute()
+    nb.metadata.pop("kernelspec", None)  # no kernel named: JupyterLab asks which, if any
+    root = tmp_path / "lab"
+    root.mkdir()
+    nbformat.write(nb, root / "saved.ipynb")
+    with _jupyter_lab(root, tmp_path) as url:
+        yield url.format("saved.ipynb")
+
+
+def test_saved_notebook_without_a_kernel_in_a_real_browser(saved_lab: str) -> None:
+    """Open a saved notebook in JupyterLab with no kernel: each viewer shows its picture and
+    its one line, no widget repr; the screenshot is kept in runs/test-artifacts."""
+    from playwright.sync_api import expect, sync_playwright
+
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        try:
+            page.goto(saved_lab)
+            dialog = page.locator(".jp-Dialog")  # "Select Kernel"
+            dialog.get_by_role("button", name="No Kernel", exact=True).click(timeout=120_000)
+            expect(dialog).to_have_count(0)
+            expect(page.locator(".jp-StatusBar-TextItem").filter(
+                has_text="No Kernel")).to_have_count(1)
+            lines = page.locator(".jp-OutputArea-output[data-mime-type='text/plain']")
+            expect(lines.filter(has_text="trajectory player: maze")).to_have_count(1)
+            expect(lines.filter(has_text="group view: 2 episodes")).to_have_count(1)
+            images = page.locator(".jp-OutputArea-output[data-mime-type='image/png'] img")
+            expect(images).to_have_count(2)
+            assert all(img.evaluate("i => i.naturalWidth") > 0 for img in images.all())
+            output = page.locator(".jp-OutputArea").last.inner_text()
+            assert "run the cell to" in output and "VBox(" not in output
+            expect(page.locator(".widget-slider")).to_have_count(0)  # no live widget
+        finally:
+            page.screenshot(path=str(ARTIFACTS / "browser_saved_no_kernel.png"), full_page=True)
+            browser.close()

@@ -284,20 +284,55 @@ def _displayed(shell, expression: str, **names) -> list[dict]:
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
 
+def _viewers(tmp_path: Path) -> list:
+    """A trajectory player, a group view and a step inspector."""
+    return [trajectory_player(_play(back_and_forth)),
+            group_view([_play(SCRIPTED["oracle"]), _play(bump)], advantages_G=[1.0, -1.0]),
+            step_inspector(_run_folder(tmp_path / "run"))]
+
+
+def assert_one_line(text: str) -> None:
+    """A viewer's text/plain: one line saying what it shows, not the widget's repr."""
+    assert "\n" not in text and len(text) <= 160, text
+    assert "VBox(" not in text and "children=" not in text and "run the cell to" in text
+
+
+def test_viewer_bundles_are_one_line_a_picture_and_the_widget(tmp_path: Path) -> None:
+    """A viewer's own mime bundle (front ends that do not call _ipython_display_): the live
+    widget's view, its picture as image/png, and one line as text/plain."""
+    player, view, insp = _viewers(tmp_path)
+    for viewer in (player, view, insp):
+        bundle = viewer._repr_mimebundle_()
+        assert set(bundle) == {WIDGET, "image/png", "text/plain"}
+        assert bundle[WIDGET]["model_id"] == viewer.widget.model_id
+        assert base64.b64decode(bundle["image/png"]) == viewer.png()
+        assert_one_line(bundle["text/plain"])
+    assert player.summary().startswith("trajectory player: maze 0 (5x5), 6 turns (7 frames), "
+                                       "failed, reward 0")
+    assert view.summary().startswith("group view: 2 episodes of maze 0 (5x5), 1 solved, "
+                                     "advantages -1.00 to +1.00")
+    assert insp.summary().startswith("step inspector: run, steps 1..2, showing step 2, maze 0")
+
+
 def test_displaying_a_viewer_shows_its_picture_then_the_widget(shell, tmp_path: Path) -> None:
-    player = trajectory_player(_play(back_and_forth))
+    """Two outputs: the picture, then the widget's view with the one line as its text/plain
+    (what a front end that cannot show the widget shows under the picture)."""
+    player, view, insp = _viewers(tmp_path)
     picture, widget = _displayed(shell, "player", player=player)
     assert set(picture) == {"image/png", "text/plain"} and WIDGET not in picture
     assert base64.b64decode(picture["image/png"]) == player.png()
-    assert WIDGET in widget and "image/png" not in widget
+    assert widget == {WIDGET: player.widget._repr_mimebundle_()[WIDGET],
+                      "text/plain": player.summary()}
     assert [WIDGET in d for d in _displayed(shell, "display(player)")] == [False, True]
-    view = group_view([_play(SCRIPTED["oracle"]), _play(bump)])
-    assert [sorted(d) for d in _displayed(shell, "view", view=view)] == [
-        ["image/png", "text/plain"], sorted([WIDGET, "text/plain"])]
-    metrics, picture, widget = _displayed(shell, "insp",
-                                          insp=step_inspector(_run_folder(tmp_path / "run")))
+    picture, widget = _displayed(shell, "view", view=view)
+    assert sorted(picture) == ["image/png", "text/plain"]
+    assert widget.keys() == {WIDGET, "text/plain"} and widget["text/plain"] == view.summary()
+    metrics, picture, widget = _displayed(shell, "insp", insp=insp)
     assert "step 2, maze 0" in metrics["text/html"] and "reward/mean" in metrics["text/html"]
-    assert _decode(picture["image/png"]).size[0] > 0 and WIDGET in widget
+    assert _decode(picture["image/png"]).size[0] > 0
+    assert widget.keys() == {WIDGET, "text/plain"} and widget["text/plain"] == insp.summary()
+    for viewer in (player, view, insp):
+        assert_one_line(viewer.summary())
 
 
 def test_executed_notebook_html_shows_the_player_without_javascript(kernel: str) -> None:
@@ -315,9 +350,17 @@ def test_executed_notebook_html_shows_the_player_without_javascript(kernel: str)
     assert [WIDGET in out.get("data", {}) for out in outputs] == [False, True]
     strip = _decode(outputs[0]["data"]["image/png"])  # the episode's 5 frames, as here
     np.testing.assert_array_equal(np.asarray(strip), episode_strip(record))
-    html, _ = HTMLExporter().from_notebook_node(nb)
+    line = outputs[1]["data"]["text/plain"]  # shown under the strip where the widget is not
+    assert line == trajectory_player(record).summary()
+    assert "application/vnd.jupyter.widget-state+json" in nb.metadata["widgets"]  # nbclient's
+    html, _ = HTMLExporter().from_notebook_node(nb)  # the widget view, drawn by JavaScript
     images = re.findall(r'<img[^>]*src="data:image/png;base64,([^"]+)"', html)
     assert [_decode(b).size for b in images] == [strip.size]
+    assert line not in html and "VBox(" not in html
+    del nb.metadata["widgets"]  # saved without the widget state: nbconvert skips the view
+    html, _ = HTMLExporter().from_notebook_node(nb)
+    assert len(re.findall(r'<img[^>]*src="data:image/png;base64,', html)) == 1
+    assert f"<pre>{line}</pre>" in html and "VBox(" not in html and "children=" not in html
 
 
 # ---------------------------------------------------------------- plots

@@ -9,7 +9,8 @@ Colours come from one palette (`PALETTE`), so a quantity looks the same in every
     step_inspector("runs/grpo")                              # pick a step, see it, replay it
 
 A viewer displays a static picture (`viewer.png()`) above its live widget, so a saved notebook
-and its HTML keep the trajectories. matplotlib and ipywidgets are imported when needed.
+and its HTML keep the trajectories; where the widget cannot be drawn, the line under the picture
+is `viewer.summary()`, not the widget's repr. matplotlib and ipywidgets are imported when needed.
 """
 
 from workbench.viz.episodes import (

@@ -9,8 +9,10 @@ Each returns a small dataclass holding the widget and its parts, so a test can m
 read what is shown without a browser (ipywidgets 8). A notebook cell displays a viewer as two
 outputs: a static picture first (`viewer.png()`: the episode's frames as one strip, the group's
 episodes on their mazes; the step inspector adds the step's metrics as HTML), then the live
-widget. A saved or papermill-run notebook, and its nbconvert HTML, keep the picture; a live
-JupyterLab shows both.
+widget, whose text/plain is one line (`viewer.summary()`) instead of the widget's repr. A live
+JupyterLab shows the picture and the widget; a front end that does not draw the widget view
+shows the picture and the line (its text/plain): JupyterLab on an untrusted notebook (a clone,
+a download, a papermill output), nbconvert's HTML without widget state, GitHub.
 """
 
 from __future__ import annotations
@@ -42,12 +44,33 @@ def png_bundle(png: bytes, alt: str) -> dict[str, str]:
     return {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": alt}
 
 
+def widget_bundle(widget: Any, text: str, png: bytes | None = None) -> dict[str, Any]:
+    """The widget's display bundle (ipywidgets 8: the view's model id, and the widget's repr
+    `VBox(children=(HBox(...` as text/plain) with `text` as its text/plain, and `png`, when
+    given, as its image/png."""
+    bundle = widget._repr_mimebundle_() | {"text/plain": text}
+    if png is not None:
+        bundle["image/png"] = base64.b64encode(png).decode("ascii")
+    return bundle
+
+
 class _Displayed:
-    """Displayed by IPython as its static outputs (`static_outputs`), then its live `widget`:
-    nbconvert renders a widget view in preference to an image of the same output, so the
-    picture must be an output of its own."""
+    """Displayed by IPython as its static outputs (`static_outputs`: the picture), then its
+    live `widget` with `summary()` as text/plain. The picture is an output of its own, not an
+    image/png in the widget's bundle: JupyterLab shows a trusted notebook's widget view even
+    when the model is gone (no kernel), and nbconvert does when the widget state was saved,
+    so that image would be hidden; front ends that skip the view (an untrusted notebook,
+    nbconvert without widget state, GitHub) would show it instead of the line."""
 
     widget: Any
+
+    def png(self) -> bytes:
+        """The static picture."""
+        raise NotImplementedError
+
+    def summary(self) -> str:
+        """One line: what the viewer shows, and that running the cell makes it live."""
+        raise NotImplementedError
 
     def static_outputs(self) -> list[dict[str, str]]:
         """Display bundles shown above the widget (the saved notebook's pictures)."""
@@ -58,11 +81,20 @@ class _Displayed:
 
         for bundle in self.static_outputs():
             display(bundle, raw=True)
-        display(self.widget)
+        display(widget_bundle(self.widget, self.summary()), raw=True)
 
-    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
-        """The live widget alone (front ends that do not call `_ipython_display_`)."""
-        return self.widget._repr_mimebundle_(**kwargs)
+    def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
+        """One bundle, for front ends that do not call `_ipython_display_`: the live widget,
+        the picture where the widget cannot be shown, the summary line as text."""
+        return widget_bundle(self.widget, self.summary(), self.png())
+
+
+_LIVE = " \N{EM DASH} run the cell to "
+
+
+def _maze(record: dict[str, Any]) -> str:
+    state = record["init_state"]
+    return f"maze {state['maze_seed']} ({state['size']}x{state['size']})"
 
 
 def turn_html(row: dict[str, Any]) -> str:
@@ -89,6 +121,12 @@ class Player(_Displayed):
     def png(self, frame_px: int = 96, cols: int = 10) -> bytes:
         """The static picture: every frame of the episode in one labelled strip."""
         return episode_strip_png(self.record, frame_px, cols)
+
+    def summary(self) -> str:
+        rec, n = self.record, len(self.rows)
+        outcome = "solved" if rec["success"] else "failed"
+        return (f"trajectory player: {_maze(rec)}, {n} turns ({n + 1} frames), {outcome}, "
+                f"reward {rec['reward']:.3g}{_LIVE}step through the turns")
 
     def static_outputs(self) -> list[dict[str, str]]:
         n = len(self.rows)
@@ -150,6 +188,13 @@ class GroupView(_Displayed):
     def png(self, title: str = "") -> bytes:
         """The static picture: `figure` as PNG."""
         return figure_png(self.figure(title))
+
+    def summary(self) -> str:
+        solved = sum(bool(r["success"]) for r in self.records_G)
+        adv = self.advantages_G
+        return (f"group view: {len(self.records_G)} episodes of {_maze(self.records_G[0])}, "
+                f"{solved} solved, advantages {adv.min():+.2f} to {adv.max():+.2f}"
+                f"{_LIVE}step through the turns")
 
     def static_outputs(self) -> list[dict[str, str]]:
         return [png_bundle(self.png(), f"<group of {len(self.records_G)} episodes>")]
@@ -245,6 +290,11 @@ class StepInspector(_Displayed):
         """The static picture: the shown group's episodes (GroupView.png), captioned."""
         assert self.view is not None, "step_inspector sets the view"
         return self.view.png(title=f"{self._caption()}: the group's samples")
+
+    def summary(self) -> str:
+        steps = list(self.step.options)
+        return (f"step inspector: {self.run_dir.name}, steps {steps[0]}..{steps[-1]}, showing "
+                f"{self._caption()}{_LIVE}pick a step and a maze, and replay")
 
     def static_outputs(self) -> list[dict[str, str]]:
         values = step_metrics(self.run_dir, self.step.value)
