@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup chromium test test-fast demo demo-long bench bench-notebooks bench-scale bench-trl bench-gpu lint typecheck lab lock clean
+.PHONY: setup chromium test test-fast demo demo-long bench bench-notebooks bench-scale bench-trl bench-gpu lint typecheck lab lock lock-gpu clean
 
 setup: $(STAMP) chromium
 
@@ -81,6 +81,11 @@ lock:
 	{ echo "# Exact versions installed together on the CPU machine (Python 3.11, x86_64); pip check clean."; \
 	  echo "# Regenerate with: make lock   (used as pip constraints by make setup)"; \
 	  /tmp/workbench-lock/bin/python -m pip freeze --exclude-editable | grep -v "^workbench"; } > requirements/lock-cpu.txt
+
+# The GPU image's lock (deploy/Dockerfile): pip resolves .[gpu,ray,s3] for CPython 3.11 on
+# manylinux x86_64 against the CPU lock, downloading metadata only (about 1 min).
+lock-gpu:
+	$(PY) deploy/lock_gpu.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
