@@ -49,7 +49,6 @@ from workbench.policy.vllm_engine import (
     BAN_BIAS,
     VLLMEngine,
     check_memory_share,
-    free_memory_for,
     check_prompt,
     checked_max_len,
     expand_image_pads,
@@ -298,7 +297,8 @@ def test_vllm_memory_share_is_checked_before_vllm_starts() -> None:
     gib = 2**30
     check_memory_share(0.3, free_bytes=100 * gib, total_bytes=140 * gib)  # 42 GiB of 100 free
     with pytest.raises(ValueError, match=r"engine.gpu_memory_utilization 0.5 asks vLLM for "
-                       r"70.0 GiB of the GPU's 140 GiB, but only 50.0 GiB is free .* use 0.34 "
+                       r"70.0 GiB of the GPU's 140 GiB, but only 50.0 GiB is free .*train\(config\) "
+                       r"returns: close it with `.session.close\(\)`.* use 0.34 "
                        r"or less"):
         check_memory_share(0.5, free_bytes=50 * gib, total_bytes=140 * gib)
     for bad in (0.0, 1.0, 1.5):
@@ -771,25 +771,3 @@ def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, t
         assert gaps["v0"] < 2e-2, "the older client no longer samples v0"
     finally:
         session.close()
-
-
-def test_free_memory_for_waits_for_a_closed_engines_share_then_says_so() -> None:
-    """A session's vLLM process frees its share a moment after close(): the next engine waits
-    for it (a line says how long), and gives up after wait_s, leaving the one-line refusal to
-    check_memory_share."""
-    gib = 2**30
-    readings = iter([(40 * gib, 140 * gib)] * 3 + [(120 * gib, 140 * gib)])
-    lines: list[str] = []
-    free, total = free_memory_for(0.5, lambda: next(readings), wait_s=10, every_s=0.01,
-                                  log=lines.append)
-    assert (free, total) == (120 * gib, 140 * gib)
-    assert len(lines) == 1 and "for 70.0 GiB of GPU memory to be free (120.0 GiB is)" in lines[0]
-    lines.clear()
-    assert free_memory_for(0.5, lambda: (40 * gib, 140 * gib), wait_s=0.03, every_s=0.01,
-                           log=lines.append) == (40 * gib, 140 * gib)
-    assert len(lines) == 1
-    with pytest.raises(ValueError, match="only 40.0 GiB is free"):
-        check_memory_share(0.5, 40 * gib, 140 * gib)
-    assert free_memory_for(0.3, lambda: (100 * gib, 140 * gib), log=lines.append) == (
-        100 * gib, 140 * gib)
-    assert len(lines) == 1  # free at once: no line

@@ -42,7 +42,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -209,26 +208,10 @@ def check_memory_share(share: float, free_bytes: int, total_bytes: int) -> None:
         asked, total, free = share * total_bytes / 2**30, total_bytes / 2**30, free_bytes / 2**30
         raise ValueError(
             f"engine.gpu_memory_utilization {share} asks vLLM for {asked:.1f} GiB of the GPU's "
-            f"{total:.0f} GiB, but only {free:.1f} GiB is free (the trainer's weights, other "
-            f"processes): use {int(100 * free / total) / 100 - 0.01:.2f} or less")
-
-
-def free_memory_for(share: float, mem_get_info: Callable[[], tuple[int, int]],
-                    wait_s: float = 30.0, every_s: float = 0.5,
-                    log: Callable[[str], None] = print) -> tuple[int, int]:
-    """(free, total) GPU bytes once `share` of the GPU is free, or after `wait_s`: the engine
-    process of a session just closed frees its share a moment after it stops (a notebook that
-    closes a session and opens the next). Says in one line when it waited."""
-    start = time.monotonic()
-    free, total = mem_get_info()
-    while share * total > free and time.monotonic() - start < wait_s:
-        time.sleep(every_s)
-        free, total = mem_get_info()
-    waited = time.monotonic() - start
-    if waited >= every_s:
-        log(f"vllm: waited {waited:.1f} s for {share * total / 2**30:.1f} GiB of GPU memory to "
-            f"be free ({free / 2**30:.1f} GiB is)")
-    return free, total
+            f"{total:.0f} GiB, but only {free:.1f} GiB is free (the trainer's weights, an engine "
+            "of a session still open, e.g. the one train(config) returns: close it with "
+            "`.session.close()`, other processes): use "
+            f"{int(100 * free / total) / 100 - 0.01:.2f} or less")
 
 
 def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
@@ -305,8 +288,7 @@ class VLLMEngine:
         dtype = str(lm.model.dtype).removeprefix("torch.")
         length = checked_max_len(settings, dtype, model_max_len(lm.model.config))
         if torch.cuda.is_available():
-            share = settings.gpu_memory_utilization
-            check_memory_share(share, *free_memory_for(share, torch.cuda.mem_get_info))
+            check_memory_share(settings.gpu_memory_utilization, *torch.cuda.mem_get_info())
         self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype, length))
 
     def adapter_folder(self, version: int) -> Path:
