@@ -5,6 +5,10 @@ into a `workbench.policy.Stream` with the same markup the rollouts build: a syst
 `start_stream` writes it, a user turn as `append_user` writes it (parts in the order given), an
 assistant turn as its reply followed by `<|im_end|>`, and finally the open assistant header. So a
 maze conversation sent turn by turn gets the tokens the policy was trained on.
+
+`measure_messages` checks a conversation against its `PromptLimits` before any of it is
+tokenized or decoded (shape, a lower bound on its tokens, its images' pixels from their
+headers); `render_messages` stops at the first piece past the context.
 """
 
 from __future__ import annotations

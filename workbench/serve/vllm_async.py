@@ -179,7 +179,7 @@ def adapter_lora(engine: Engine, model: str, name: str) -> Any:
 
 def check_images(engine: Engine, stream: Stream) -> None:
     """Refuse (400) a request vLLM would: more images than it makes room for (the context and
-    the pixels are checked as the prompt is rendered, as for the transformers engine)."""
+    the pixels are checked by the app and as the prompt is rendered, as for transformers)."""
     limit = engine.settings.max_images
     if len(stream.images) > limit:
         raise RequestError(f"the request holds {len(stream.images)} images: this server takes "
