@@ -259,6 +259,7 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_ray_local": ("ray", "slow"),  # ray.init with 2 CPUs, runs from tiny-sft
     "test_ray_remote": ("ray", "slow"),  # `ray start --head`, jobs from tiny-sft
     "test_run_folder": ("slow",),  # most tests copy its 2-step training run (module fixture)
+    "test_serve_hostile": ("slow",),  # a served corpus of 200+ requests, a 429 / 504 server
     "test_spec": ("slow",),  # most tests read its 1-step training run (module fixture)
     "test_train": ("slow",),  # training runs from tiny-sft, killed and resumed
 }
@@ -291,6 +292,9 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_run_folder::test_intervals_of_zero_mean_never": (),
     "test_run_folder::test_s3_prefix_is_not_cleared_unasked": (),
     "test_run_folder::test_s3_resume_skips_a_damaged_checkpoint": (),
+    "test_serve_hostile::test_the_text_bound_never_claims_more_tokens_than_the_tokenizer_makes":
+        (),
+    "test_serve_hostile::test_no_text_bound_where_none_is_proven": (),
     "test_spec::test_a_spec_round_trips_through_its_file": (),
     "test_storage::test_run_dir_on_s3_is_mirrored_and_resumed_from_s3": ("slow",),  # 20 s
     "test_tasks::test_room_plays_through_the_session_and_the_phases": ("slow",),  # 25 s

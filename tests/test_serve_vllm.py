@@ -358,6 +358,40 @@ def test_refused_requests_never_reach_the_engine(client: Any, fake_vllm: FakeAsy
     assert fake_vllm.calls == [] and "wide" not in client.engine.resident
 
 
+def test_past_max_queue_429_and_past_the_time_504_with_the_request_cancelled(
+        fake_vllm: FakeAsyncVLLM, store: storage.Store, tiny_dir: Path) -> None:
+    """max_queue 1, request_timeout_s 1: the fake holds a request (it waits for a second one
+    in flight, which never comes); meanwhile another gets 429 with Retry-After; the held one
+    gets 504 and its vLLM request is cancelled (out of the engine); then the server answers."""
+    import concurrent.futures as cf
+    import time
+
+    from starlette.testclient import TestClient
+
+    from workbench.serve.app import build_app
+    from workbench.serve.engine import close_engine
+    from workbench.serve.replica import open_engine
+
+    engine = open_engine(_settings(tiny_dir, store, max_queue=1, request_timeout_s=1.0))
+    body = {"model": "tiny:a0", "messages": _messages(), "max_tokens": 4}
+    fake_vllm.barrier = 2
+    with TestClient(build_app(engine)) as client, cf.ThreadPoolExecutor(1) as pool:
+        held = pool.submit(client.post, "/v1/chat/completions", json=body)
+        while fake_vllm.in_flight < 1:
+            time.sleep(0.005)
+        refused = client.post("/v1/chat/completions", json=body)
+        assert not held.done()
+        assert refused.status_code == 429 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "queue_full"
+        response = held.result()
+        assert response.status_code == 504 and response.json()["error"]["code"] == "timeout"
+        assert fake_vllm.in_flight == 0 and len(fake_vllm.calls) == 1
+        fake_vllm.barrier = 0
+        status, reply = _chat(client, "tiny:a0")
+        assert status == 200 and _word(reply) == "left"
+    close_engine(engine)
+
+
 # ------------------------------------------------------------------ over HTTP, concurrently
 
 

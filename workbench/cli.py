@@ -24,7 +24,7 @@ import sys
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys, preset
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.rl.replay import ReplayError
-from workbench.serve.engine import ENGINES
+from workbench.serve.engine import ENGINES, ServeSettings
 from workbench.storage import StorageError
 
 
@@ -137,7 +137,7 @@ def _serve(args: argparse.Namespace) -> None:
     import time
 
     from workbench.serve.deploy import shutdown, start
-    from workbench.serve.engine import ServeSettings, key_hash
+    from workbench.serve.engine import key_hash
 
     settings = ServeSettings(
         model=args.model, served_name=args.served_name, adapters=args.adapters,
@@ -145,7 +145,8 @@ def _serve(args: argparse.Namespace) -> None:
         cpus_per_replica=args.cpus_per_replica, host=args.host, port=args.port,
         api_key_sha256=key_hash(args.api_key), engine=args.engine, dtype=args.dtype,
         device="cuda" if args.engine == "vllm" else args.device,
-        gpu_memory_utilization=args.gpu_memory_utilization)
+        gpu_memory_utilization=args.gpu_memory_utilization, **{
+            name: getattr(args, name) for name in LIMITS})
     endpoint = start(settings, args.address, args.num_cpus, args.temp_dir)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init, which sets its own
     try:
@@ -155,6 +156,24 @@ def _serve(args: argparse.Namespace) -> None:
         pass
     finally:
         shutdown(endpoint, disconnect=True)  # in this process: its server (and vLLM); else Serve
+
+
+LIMITS = {  # ServeSettings field -> (type, help) of `serve --max-queue` etc. (serve.limits)
+    "max_model_len": (int, "context in tokens, prompt + max_tokens; past it 400 "
+                           "(0: the model's own, at most 16384)"),
+    "max_body_bytes": (int, "request body in bytes; past it 413"),
+    "max_image_pixels": (int, "pixels of one request's images together; past it 400"),
+    "max_queue": (int, "requests a replica holds at once, running or waiting; past it 429"),
+    "request_timeout_s": (float, "seconds from admission to reply; past it 504"),
+}
+
+
+def _limit_options(s: argparse.ArgumentParser) -> None:
+    defaults = ServeSettings()
+    for name, (kind, text) in LIMITS.items():
+        default = getattr(defaults, name)
+        s.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
+                       help=f"{text} (default: {default})")
 
 
 def _serving_commands(sub: argparse._SubParsersAction) -> None:
@@ -203,6 +222,7 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dtype", default="float32", help="transformers: the weights dtype; vllm: "
                    "the dtype the adapters were trained in (the base is hashed in it; vLLM runs "
                    "bfloat16)")
+    _limit_options(s)
     s.set_defaults(func=_serve)
 
 

@@ -6,6 +6,9 @@ One batched cache holds B live rows; rows have different lengths, so the cache h
 padding of a turn's chunk, tokens fed after a row already finished) that the attention mask hides.
 Positions are explicit M-RoPE ids, advanced only by real tokens, so holes do not shift them.
 
+A `deadline` (time.monotonic() seconds) stops decoding with DeadlineExceeded: it is checked
+after the prefill and between decode steps, so it is passed by at most one model call.
+
 Each drawn token's log-probability is reported under the rule the trainer uses
 (`forward.masked_log_softmax`: temperature, vision special tokens banned); greedy decoding
 (temperature 0) reports log-probabilities at temperature 1. Randomness comes only from the
@@ -18,6 +21,8 @@ Each drawn token's log-probability is reported under the rule the trainer uses
 
 from __future__ import annotations
 
+import math
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +48,14 @@ class Completion:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "stop" (emitted <|im_end|>) or "length"
+
+
+class DeadlineExceeded(TimeoutError):
+    """Decoding passed its deadline; `tokens` replies' tokens were drawn by then (per row)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(f"the deadline passed after {tokens} decode step(s)")
+        self.tokens = tokens
 
 
 @dataclass
@@ -164,9 +177,11 @@ def decode(
     fmt: ChatFormat,
     params: SamplingParams,
     generator: torch.Generator | None = None,
+    deadline: float = math.inf,
 ) -> list[Completion]:
     """Sample one reply per row from the cached state; the reply's tokens enter the cache
-    (all but the last, which the next `extend` feeds with the stream)."""
+    (all but the last, which the next `extend` feeds with the stream). DeadlineExceeded once
+    time.monotonic() passes `deadline` before a step."""
     greedy = params.temperature <= 0
     assert live.logits_BV is not None, "an empty batch: extend it first"
     generator = device_generator(generator, live.logits_BV.device)
@@ -175,6 +190,8 @@ def decode(
     logps_BT: list[list[float]] = [[] for _ in range(live.rows)]
     done_B = torch.zeros(live.rows, dtype=torch.bool)
     for step in range(params.max_tokens):
+        if time.monotonic() > deadline:
+            raise DeadlineExceeded(step)
         logp_BV = masked_log_softmax(live.logits_BV, params.temperature, fmt.banned)
         tok_B = _draw(logp_BV, greedy, generator)
         lp_B = logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
@@ -222,10 +239,12 @@ def sample(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     pad_id: int = 0,
+    deadline: float = math.inf,
 ) -> list[list[Completion]]:
-    """Sample `n` replies for each stream (prefilled once): completions_P_n."""
+    """Sample `n` replies for each stream (prefilled once): completions_P_n; DeadlineExceeded
+    once time.monotonic() passes `deadline` (see `decode`)."""
     live = open_batch()
     extend(model, live, streams, pad_id)
     repeat_rows(live, n)
-    completions = decode(model, live, fmt, params, generator)
+    completions = decode(model, live, fmt, params, generator, deadline)
     return [completions[p * n:(p + 1) * n] for p in range(len(streams))]

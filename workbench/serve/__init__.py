@@ -2,14 +2,16 @@
 (`<base>:<adapter>`), adapters fetched from the registry's store on first use and LRU-cached per
 replica; Ray Serve runs the replicas (or, with address "", a uvicorn thread of this process).
 See `workbench.serve.deploy` (start, serve, shutdown),
-`workbench.serve.app` (the ASGI app), `workbench.serve.engine` (base + adapters + sampler) and
+`workbench.serve.app` (the ASGI app), `workbench.serve.engine` (base + adapters + sampler),
+`workbench.serve.limits` (what one request may take: body, context, pixels, queue, time) and
 `workbench.serve.vllm` (the GPU config for Ray Serve LLM).
 
 Nothing here imports Ray, FastAPI or boto3 until a function needs them.
 """
 
-from workbench.serve.chat import ChatRequest, RequestError, image_data_url, render_messages
+from workbench.serve.chat import ChatRequest, image_data_url, render_messages
 from workbench.serve.engine import ServeSettings, key_hash
+from workbench.serve.errors import RequestError
 
 __all__ = ["ChatRequest", "RequestError", "ServeSettings", "image_data_url", "key_hash",
            "render_messages", "serve", "shutdown"]

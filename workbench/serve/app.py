@@ -3,28 +3,44 @@ Ray Serve (`@serve.ingress`), under uvicorn, or in a test client without either.
 
     GET  /v1/models             the base, <base>:<adapter> for each published adapter
     POST /v1/chat/completions   OpenAI chat completions (text and image_url data-URL parts)
-    GET  /v1/stats              this replica's counters (adapter cache hits / misses / evictions)
+    GET  /v1/stats              this replica's counters (adapter cache hits / misses / evictions,
+                                requests in flight and refused for a full queue)
 
-With the transformers engine a chat request runs in a worker thread (the engine takes one at a
-time); with vllm the route awaits vLLM's async engine, so requests in flight batch together.
+With the transformers engine a chat request runs on the engine's one worker thread (the engine
+takes one at a time: the others wait as futures, not as blocked threads, and the prompts' images
+are decoded on that one thread); with vllm the route awaits vLLM's async engine, so requests in
+flight batch together.
+Before either, a request is measured against the limits of `workbench.serve.limits`: its body
+as it is read, then its shape, a lower bound on its tokens and its images' pixels (from their
+headers) before it enters the queue, whose length is bounded too; the exact context check comes
+as the prompt is tokenized, and the time limit while it waits and runs.
 
 Errors are OpenAI-shaped JSON: {"error": {"message", "type", "code", "param"}} with 400 (bad
-request), 401 (API key missing or wrong), 404 (unknown model or adapter), 422 (a broken,
-incomplete or foreign-base adapter: the server keeps running) or 500.
+request, a prompt past the context, images past max_image_pixels), 401 (API key missing or
+wrong), 404 (unknown model or adapter), 413 (body past max_body_bytes), 422 (a broken,
+incomplete or foreign-base adapter: the server keeps running), 429 with Retry-After (max_queue
+requests already held), 504 (past request_timeout_s) or 500.
 """
 
+import asyncio
 import hmac  # no `from __future__ import annotations`: FastAPI reads the route annotations
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from workbench.deps import require
-from workbench.serve.chat import RequestError, parse_request
-from workbench.serve.engine import Engine, engine_stats, generate, key_hash, list_models
+from workbench.serve.chat import measure_messages, parse_request
+from workbench.serve.engine import (
+    Engine,
+    engine_stats,
+    generate,
+    key_hash,
+    list_models,
+    prompt_limits,
+)
+from workbench.serve.errors import RequestError, error_body
+from workbench.serve.limits import Gate, parse_json, read_body
 from workbench.serve.vllm_async import generate_vllm
-
-
-def error_body(message: str, code: str, kind: str = "invalid_request_error") -> dict[str, Any]:
-    """OpenAI's error JSON."""
-    return {"error": {"message": message, "type": kind, "code": code, "param": None}}
 
 
 def authorized(header: str, api_key_sha256: str) -> bool:
@@ -44,6 +60,8 @@ def build_app(engine: Engine) -> Any:
     from starlette.requests import Request
 
     app = fastapi.FastAPI(title="workbench", docs_url=None, redoc_url=None, openapi_url=None)
+    gate = Gate(engine.settings.max_queue)
+    worker = ThreadPoolExecutor(1, thread_name_prefix="workbench-engine")  # transformers
 
     @app.middleware("http")
     async def check_key(request: Any, call_next: Any) -> Any:
@@ -56,7 +74,8 @@ def build_app(engine: Engine) -> Any:
 
     @app.exception_handler(RequestError)
     async def request_error(_: Any, err: RequestError) -> Any:
-        return JSONResponse(error_body(str(err), err.code, err.kind), status_code=err.status)
+        return JSONResponse(error_body(str(err), err.code, err.kind), status_code=err.status,
+                            headers=err.headers)
 
     @app.exception_handler(Exception)
     async def internal_error(_: Any, err: Exception) -> Any:
@@ -69,18 +88,21 @@ def build_app(engine: Engine) -> Any:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise RequestError("the request body is not valid JSON") from None
         s = engine.settings
+        body = parse_json(await read_body(request, s.max_body_bytes))
         parsed = parse_request(body, s.default_max_tokens, s.max_tokens_limit)
-        if engine.backend is not None:  # vllm: awaited, never behind the engine's lock
-            return await generate_vllm(engine, parsed)
-        return await run_in_threadpool(generate, engine, parsed)
+        limits = prompt_limits(engine, parsed)  # refused here, the queue is never entered
+        await run_in_threadpool(measure_messages, parsed.messages, limits)
+        with gate.admit():
+            deadline = time.monotonic() + s.request_timeout_s
+            if engine.backend is not None:  # vllm: awaited, never behind the engine's lock
+                return await generate_vllm(engine, parsed, deadline)
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(worker, generate, engine, parsed, deadline)
 
     @app.get("/v1/stats")
     async def stats() -> Any:
-        return engine_stats(engine)
+        return engine_stats(engine) | {"in_flight": gate.held, "max_queue": gate.limit,
+                                       "refused_queue_full": gate.refused}
 
     return app

@@ -5,6 +5,10 @@ into a `workbench.policy.Stream` with the same markup the rollouts build: a syst
 `start_stream` writes it, a user turn as `append_user` writes it (parts in the order given), an
 assistant turn as its reply followed by `<|im_end|>`, and finally the open assistant header. So a
 maze conversation sent turn by turn gets the tokens the policy was trained on.
+
+`measure_messages` checks a conversation against its `PromptLimits` before any of it is
+tokenized or decoded (shape, a lower bound on its tokens, its images' pixels from their
+headers); `render_messages` stops at the first piece past the context.
 """
 
 from __future__ import annotations
@@ -14,24 +18,21 @@ import binascii
 import io
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from workbench.policy import ChatFormat, Completion, Stream, encode_image
+from workbench.serve.errors import RequestError, shown
+from workbench.serve.limits import PromptLimits
 
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/jpg")
+IMAGE_FORMATS = ("PNG", "JPEG")  # what PIL may open them as
 ROLES = ("system", "user", "assistant")
-
-
-class RequestError(ValueError):
-    """A request the server cannot take; `status` is the HTTP status, `code` OpenAI's code."""
-
-    def __init__(self, message: str, status: int = 400, code: str = "invalid_request",
-                 kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status, self.code, self.kind = status, code, kind
+MAX_N = 16  # choices one request may ask for
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
 
 
 @dataclass(frozen=True)
@@ -54,28 +55,46 @@ def parse_request(body: Any, default_max_tokens: int, max_tokens_limit: int) -> 
     for key in ("model", "messages"):
         if key not in body:
             raise RequestError(f"missing required field {key!r}")
+    if not isinstance(body["model"], str):
+        raise RequestError(f"'model' must be a string, not {shown(body['model'])}")
     if body.get("stream"):
         raise RequestError("stream=true is not supported by this server", code="unsupported")
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list")
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default_max_tokens
-    if not isinstance(max_tokens, int) or not 1 <= max_tokens <= max_tokens_limit:
-        raise RequestError(f"max_tokens must be an integer in [1, {max_tokens_limit}]")
-    n = body.get("n") or 1
-    if not isinstance(n, int) or not 1 <= n <= 16:
-        raise RequestError("n must be an integer in [1, 16]")
+    max_tokens = _first(body, "max_completion_tokens", "max_tokens")
+    max_tokens = _integer("max_tokens", max_tokens, 1, max_tokens_limit, default_max_tokens)
+    n = _integer("n", body.get("n"), 1, MAX_N, 1)
     temperature = body.get("temperature")
+    if temperature is not None and (isinstance(temperature, bool)
+                                    or not isinstance(temperature, (int, float))):
+        raise RequestError(f"temperature must be a number in [0, 2], not {shown(temperature)}")
     temperature = 1.0 if temperature is None else float(temperature)
     if not 0.0 <= temperature <= 2.0:
         raise RequestError("temperature must be in [0, 2]")
     seed = body.get("seed")
-    return ChatRequest(str(body["model"]), messages, max_tokens, temperature, n,
-                       None if seed is None else int(seed), bool(body.get("logprobs")))
+    seed = None if seed is None else _integer("seed", seed, *SEED_RANGE, 0)
+    return ChatRequest(body["model"], messages, max_tokens, temperature, n, seed,
+                       bool(body.get("logprobs")))
 
 
-def decode_image_url(url: str) -> np.ndarray:
-    """An RGB uint8 array from a data URL (data:image/png|jpeg;base64,...)."""
+def _first(body: dict[str, Any], *keys: str) -> Any:
+    """The value of the first of `keys` that is present and not null."""
+    return next((body[k] for k in keys if body.get(k) is not None), None)
+
+
+def _integer(name: str, value: Any, low: int, high: int, default: int) -> int:
+    """An integer field in [low, high] (`default` when null); 400 otherwise."""
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise RequestError(f"{name} must be an integer in [{low}, {high}], not {shown(value)}")
+    return value
+
+
+def open_image(url: Any) -> Any:
+    """A PIL image of a data URL (data:image/png|jpeg;base64,...), opened lazily: its size is
+    read from the header, its pixels only on `decode_image`."""
     from PIL import Image
 
     if not isinstance(url, str) or not url.startswith("data:"):
@@ -84,14 +103,32 @@ def decode_image_url(url: str) -> np.ndarray:
     head, _, data = url.partition(",")
     mime = head[5:].split(";")[0].lower()
     if mime not in IMAGE_TYPES or ";base64" not in head:
-        raise RequestError(f"image data URL of type {mime or '?'}: send base64 PNG or JPEG",
-                           code="invalid_image")
+        raise RequestError(f"image data URL of type {shown(mime or '?', 40)}: send base64 PNG "
+                           "or JPEG", code="invalid_image")
     try:
-        image = Image.open(io.BytesIO(base64.b64decode(data, validate=True)))
-        return np.array(image.convert("RGB"))  # a writable copy
+        return Image.open(io.BytesIO(base64.b64decode(data, validate=True)),
+                          formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        raise RequestError("the image is too large for PIL to open (a decompression bomb): "
+                           "this server takes max_image_pixels at most",
+                           code="image_too_large") from None
     except (binascii.Error, ValueError, OSError) as err:
         raise RequestError(f"image data URL could not be decoded ({type(err).__name__})",
                            code="invalid_image") from None
+
+
+def decode_image(image: Any) -> np.ndarray:
+    """The RGB uint8 pixels of an opened image (a writable copy)."""
+    try:
+        return np.array(image.convert("RGB"))
+    except (ValueError, OSError) as err:
+        raise RequestError(f"image data URL could not be decoded ({type(err).__name__})",
+                           code="invalid_image") from None
+
+
+def decode_image_url(url: str) -> np.ndarray:
+    """An RGB uint8 array from a data URL (data:image/png|jpeg;base64,...)."""
+    return decode_image(open_image(url))
 
 
 def _parts(content: Any) -> list[dict[str, Any]]:
@@ -102,6 +139,9 @@ def _parts(content: Any) -> list[dict[str, Any]]:
     for part in content:
         if not isinstance(part, dict) or part.get("type") not in ("text", "image_url"):
             raise RequestError("content parts must be {'type': 'text'} or {'type': 'image_url'}")
+        if part["type"] == "text" and not isinstance(part.get("text", ""), str):
+            raise RequestError(f"a text part's 'text' must be a string, not "
+                               f"{shown(part['text'])}")
     return content
 
 
@@ -111,56 +151,87 @@ def _image_url(part: dict[str, Any]) -> Any:
     return value.get("url", "") if isinstance(value, dict) else value
 
 
+def _pieces(message: Any) -> Iterator[tuple[str, Any]]:
+    """What a message renders to between its <|im_start|> and <|im_end|>, in order: ("text",
+    a string to encode) or ("image", its URL). RequestError (400) for a malformed message."""
+    role = message.get("role") if isinstance(message, dict) else None
+    if role not in ROLES:
+        raise RequestError(f"message role must be one of {list(ROLES)}, got {shown(role)}")
+    parts = _parts(message.get("content", ""))
+    if role == "system":  # start_stream encodes "system\n" + text as one piece
+        yield "text", "system\n" + "".join(p.get("text", "") for p in parts)
+        return
+    yield "text", f"{role}\n"
+    for part in parts:
+        if part["type"] == "text":
+            yield "text", part.get("text", "")
+        elif role == "assistant":
+            raise RequestError("assistant messages cannot hold images")
+        else:
+            yield "image", _image_url(part)
+
+
+def measure_messages(messages: list[Any], limits: PromptLimits) -> None:
+    """Refuse (400) a conversation past `limits` before any of it is tokenized or decoded: its
+    shape, a lower bound on its tokens (<|im_start|> and <|im_end|> of each turn, the text bound,
+    an image's start and end) and its images' pixels, read from their headers."""
+    floor, pixels, images = 1, 0, 0  # the open assistant turn's <|im_start|>
+    for message in messages:
+        floor += 2
+        for kind, value in _pieces(message):
+            if kind == "text":
+                floor += limits.min_tokens(value)
+                continue
+            size = open_image(value).size
+            pixels, images, floor = pixels + size[0] * size[1], images + 1, floor + 2
+            limits.check_pixels(pixels, size, images)
+        limits.check_tokens(floor)
+
+
 @dataclass
 class _Builder:
-    tokens_T: list[int]
-    types_T: list[int]
-    images: list[Any]
+    """A prompt stream as it is rendered, refused (RequestError) once past the context."""
 
-    def text(self, processor: Any, text: str) -> None:
-        ids = processor.tokenizer.encode(text, add_special_tokens=False)
+    processor: Any
+    limits: PromptLimits
+    tokens_T: list[int] = field(default_factory=list)
+    types_T: list[int] = field(default_factory=list)
+    images: list[Any] = field(default_factory=list)
+
+    def text(self, text: str) -> None:
+        self.limits.check_tokens(len(self.tokens_T) + self.limits.min_tokens(text))
+        self.ids(self.processor.tokenizer.encode(text, add_special_tokens=False))
+
+    def ids(self, ids: list[int], types: list[int] | None = None) -> None:
         self.tokens_T += ids
-        self.types_T += [0] * len(ids)
+        self.types_T += types or [0] * len(ids)
+        self.limits.check_tokens(len(self.tokens_T))
 
-    def ids(self, ids: list[int]) -> None:
-        self.tokens_T += ids
-        self.types_T += [0] * len(ids)
+    def image(self, fmt: ChatFormat, url: Any) -> None:
+        vision = encode_image(self.processor, decode_image_url(url))
+        n = vision.n_patches // fmt.merge**2
+        self.ids([fmt.vision_start, *[fmt.image_pad] * n, fmt.vision_end], [0, *[1] * n, 0])
+        self.images.append(vision)
 
 
-def render_messages(processor: Any, fmt: ChatFormat, messages: list[dict[str, Any]]) -> Stream:
-    """The prompt stream of a conversation, ending in an open assistant turn."""
-    b = _Builder([], [], [])
+def render_messages(processor: Any, fmt: ChatFormat, messages: list[dict[str, Any]],
+                    limits: PromptLimits | None = None) -> Stream:
+    """The prompt stream of a conversation, ending in an open assistant turn; RequestError (400)
+    as soon as it is past the context of `limits` (its pixels are `measure_messages`' part)."""
+    b = _Builder(processor, limits or PromptLimits())
     for message in messages:
-        role = message.get("role") if isinstance(message, dict) else None
-        if role not in ROLES:
-            raise RequestError(f"message role must be one of {list(ROLES)}, got {role!r}")
-        parts = _parts(message.get("content", ""))
         b.ids([fmt.im_start])
-        if role == "system":  # start_stream encodes "system\n" + text as one piece
-            b.text(processor, "system\n" + "".join(p.get("text", "") for p in parts))
-        else:
-            b.text(processor, f"{role}\n")
-            for part in parts:
-                if part["type"] == "text":
-                    b.text(processor, part.get("text", ""))
-                elif role == "assistant":
-                    raise RequestError("assistant messages cannot hold images")
-                else:
-                    _image(b, processor, fmt, _image_url(part))
+        for kind, value in _pieces(message):
+            if kind == "text":
+                b.text(value)
+            else:
+                b.image(fmt, value)
         b.ids([fmt.im_end, *fmt.newline])
     b.ids([fmt.im_start])
-    b.text(processor, "assistant\n")
+    b.text("assistant\n")
     T = len(b.tokens_T)
     return Stream(tokens_T=b.tokens_T, mm_types_T=b.types_T, loss_mask_T=[0] * T,
                   logprobs_T=[0.0] * T, images=tuple(b.images))
-
-
-def _image(b: _Builder, processor: Any, fmt: ChatFormat, url: str) -> None:
-    vision = encode_image(processor, decode_image_url(url))
-    n = vision.n_patches // fmt.merge**2
-    b.tokens_T += [fmt.vision_start, *[fmt.image_pad] * n, fmt.vision_end]
-    b.types_T += [0, *[1] * n, 0]
-    b.images.append(vision)
 
 
 def completion_json(request: ChatRequest, processor: Any, prompt_tokens: int,

@@ -44,7 +44,10 @@ def deployment(settings: ServeSettings) -> Any:
     from workbench.serve.app import build_app
     from workbench.serve.replica import open_engine
 
+    # one more than max_queue: the replica's own bound answers (429) before Ray Serve's proxy
+    # would start queueing requests for a full replica without bound
     @serve.deployment(name="openai", num_replicas=settings.num_replicas,
+                      max_ongoing_requests=settings.max_queue + 1,
                       ray_actor_options={"num_cpus": settings.cpus_per_replica,
                                          "num_gpus": settings.gpus_per_replica})
     @serve.ingress()

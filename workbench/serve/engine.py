@@ -9,7 +9,8 @@ the registry's serving default (re-read every `default_ttl_s`). An adapter is do
 `<adapters>/adapters/<name>/` once per upload into the replica's cache folder, checked (config,
 weights readable, trained on this base's weights hash) before it touches the model, loaded as a
 named PEFT adapter, and evicted (deleted from the model) when the LRU is full. Requests on a
-replica run one at a time under a lock (the model is shared); each gets its own torch Generator.
+replica run one at a time under a lock (the model is shared), rendering included; each gets its
+own torch Generator. The limits of `workbench.serve.limits` apply (context, image pixels, time).
 
 With `engine="vllm"` (GPU) a replica holds one vLLM async engine instead and concurrent requests
 batch in it (`workbench.serve.vllm_async`); the adapter contract and the counters stay the same.
@@ -34,8 +35,19 @@ import torch
 
 from workbench import registry, storage
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
-from workbench.policy import ChatFormat, SamplingParams, chat_format, sample
-from workbench.serve.chat import ChatRequest, RequestError, completion_json, render_messages
+from workbench.policy import ChatFormat, Completion, SamplingParams, Stream, chat_format, sample
+from workbench.policy.sampler import DeadlineExceeded
+from workbench.policy.vllm_engine import model_max_len
+from workbench.serve.chat import ChatRequest, completion_json, render_messages
+from workbench.serve.errors import RequestError, shown
+from workbench.serve.limits import (
+    PromptLimits,
+    TextBound,
+    context_len,
+    held,
+    text_bound,
+    timeout_error,
+)
 
 ENGINES = ("transformers", "vllm")  # ServeSettings.engine
 
@@ -62,13 +74,20 @@ class ServeSettings:
     default_ttl_s: float = 5.0  # how long a replica trusts its copy of serving.json
     engine: str = "transformers"  # transformers (one request at a time) | vllm (GPU, batching)
     gpu_memory_utilization: float = 0.5  # vllm: its share of the GPU's memory
-    max_model_len: int = 0  # vllm: context in tokens (0: the model's own, capped as the sampler's)
+    max_model_len: int = 0  # context in tokens, prompt + max_tokens (0: the model's, <= 16384)
     max_images: int = 16  # vllm: images one request may hold (it makes room for them)
+    max_body_bytes: int = 8 * 2**20  # request body; past it 413 (Content-Length or bytes read)
+    max_image_pixels: int = 4096 * 4096  # pixels of one request's images together (headers)
+    max_queue: int = 64  # requests a replica holds at once, running or waiting; past it 429
+    request_timeout_s: float = 60.0  # admission to reply: waiting + generating; past it 504
 
     def __post_init__(self) -> None:
         if self.engine not in ENGINES:
             raise ValueError(f"serve engine {self.engine!r} is not one of "
                              f"{', '.join(map(repr, ENGINES))}")
+        for name in ("max_body_bytes", "max_image_pixels", "max_queue", "request_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"serve {name} must be positive, not {getattr(self, name)!r}")
 
     @property
     def base_id(self) -> str:
@@ -95,6 +114,8 @@ class Engine:
     fmt: ChatFormat
     base_hash: str  # weights sha256 of the base (adapters trained on another base are refused)
     store: storage.Store | None  # where adapters are published (None: base only)
+    max_len: int  # the context served, in tokens: prompt + max_tokens (limits.context_len)
+    bound: TextBound | None  # tokens of a text before it is tokenized (limits.text_bound)
     # name -> peft name (transformers) or vLLM LoRARequest (vllm), least recently used first
     resident: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
@@ -109,8 +130,16 @@ def open_transformers_engine(settings: ServeSettings) -> Engine:
     come and go with load_adapter / delete_adapter and the base runs with adapters disabled."""
     lm = load_model(settings.model, dtype=getattr(torch, settings.dtype), device=settings.device)
     base_hash = weights_hash(lm.model)
+    max_len = context_len(settings.max_model_len, model_max_len(lm.model.config))
     lm.model = add_lora(lm.model, LoraSettings(rank=1, alpha=1)).eval()  # B = 0: inert
-    return Engine(settings, lm, chat_format(lm.processor), base_hash, open_adapter_store(settings))
+    return Engine(settings, lm, chat_format(lm.processor), base_hash, open_adapter_store(settings),
+                  max_len, text_bound(lm.processor.tokenizer))
+
+
+def prompt_limits(engine: Engine, request: ChatRequest) -> PromptLimits:
+    """What the request's prompt may hold on this engine."""
+    return PromptLimits(engine.max_len, request.max_tokens, engine.settings.max_image_pixels,
+                        engine.bound)
 
 
 def open_adapter_store(settings: ServeSettings) -> storage.Store | None:
@@ -134,6 +163,7 @@ def peft_name(name: str) -> str:
 
 
 def _not_found(engine: Engine, model: str, why: str) -> RequestError:
+    model = model if len(model) <= 100 else f"{model[:100]}... ({len(model):,} characters)"
     return RequestError(f"The model '{model}' does not exist: {why}. Available models: "
                         f"{', '.join(m['id'] for m in list_models(engine)['data'])}",
                         status=404, code="model_not_found")
@@ -153,7 +183,7 @@ def resolve_model(engine: Engine, model: str) -> str | None:
             raise _not_found(engine, model, "no adapter has been promoted as the default")
         name = default
     if not registry.NAME_RE.match(name):
-        raise _not_found(engine, model, f"{name!r} is not a valid adapter name")
+        raise _not_found(engine, model, f"{shown(name)} is not a valid adapter name")
     return name
 
 
@@ -254,22 +284,36 @@ def ensure_adapter(engine: Engine, model: str, name: str) -> str:
     return internal
 
 
-def generate(engine: Engine, request: ChatRequest) -> dict[str, Any]:
-    """Answer one chat request (an OpenAI chat.completion dict); RequestError for 4xx."""
-    stream = render_messages(engine.lm.processor, engine.fmt, request.messages)
-    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
-    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
-    with engine.lock:
+def generate(engine: Engine, request: ChatRequest,
+             deadline: float = float("inf")) -> dict[str, Any]:
+    """Answer one chat request (an OpenAI chat.completion dict); RequestError for 4xx, and 504
+    once time.monotonic() passes `deadline` (waiting for the engine, or between decode steps).
+    The prompt is rendered under the engine's lock too: one request's images at a time."""
+    with held(engine.lock, deadline, engine.settings.request_timeout_s, "the engine"):
         engine.counters["requests"] += 1
         adapter = resolve_model(engine, request.model)
-        model = engine.lm.model
-        if adapter is not None:
-            model.set_adapter(ensure_adapter(engine, request.model, adapter))
-        with model.disable_adapter() if adapter is None else nullcontext():
-            completions = sample(model, engine.fmt, [stream], request.n, params,
-                                 torch.Generator().manual_seed(seed),
-                                 engine.lm.processor.tokenizer.pad_token_id)[0]
+        stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
+                                 prompt_limits(engine, request))
+        completions = _sample(engine, request, adapter, stream, deadline)
     return completion_json(request, engine.lm.processor, len(stream), completions)
+
+
+def _sample(engine: Engine, request: ChatRequest, adapter: str | None, stream: Stream,
+            deadline: float) -> list[Completion]:
+    """The request's n completions of `stream` from the base or `adapter` (the lock held)."""
+    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
+    model = engine.lm.model
+    if adapter is not None:
+        model.set_adapter(ensure_adapter(engine, request.model, adapter))
+    try:
+        with model.disable_adapter() if adapter is None else nullcontext():
+            return sample(model, engine.fmt, [stream], request.n, params,
+                          torch.Generator().manual_seed(seed),
+                          engine.lm.processor.tokenizer.pad_token_id, deadline)[0]
+    except DeadlineExceeded as stop:
+        raise timeout_error(engine.settings.request_timeout_s, f"after {stop.tokens} of "
+                            f"{request.max_tokens} reply tokens") from None
 
 
 def list_models(engine: Engine) -> dict[str, Any]:

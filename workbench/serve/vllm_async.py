@@ -53,7 +53,7 @@ from workbench.policy.vllm_engine import (
     to_completion,
     vllm_prompt,
 )
-from workbench.serve.chat import ChatRequest, RequestError, completion_json, render_messages
+from workbench.serve.chat import ChatRequest, completion_json, render_messages
 from workbench.serve.engine import (
     Engine,
     ServeSettings,
@@ -61,8 +61,11 @@ from workbench.serve.engine import (
     fetch,
     lru_hit,
     open_adapter_store,
+    prompt_limits,
     resolve_model,
 )
+from workbench.serve.errors import RequestError
+from workbench.serve.limits import held, remaining_s, text_bound, timeout_error
 
 INSTALL_HINT = (
     "serve engine='vllm' needs the vllm package (GPU only, CUDA): pip install 'workbench[gpu]'. "
@@ -79,7 +82,6 @@ class VLLMBackend:
     vllm: ModuleType  # the vllm package (SamplingParams)
     llm: Any  # vllm.AsyncLLMEngine: generate(prompt, params, request_id, lora_request=...)
     lora_cls: Any  # vllm.lora.request.LoRARequest
-    max_len: int  # the engine's max_model_len (tokens)
     max_rank: int  # the engine's max_lora_rank: an adapter of a larger rank is refused
     lora_ids: dict[tuple[str, str], int] = field(default_factory=dict)  # (name, upload) -> id
 
@@ -140,8 +142,9 @@ def open_vllm_engine(settings: ServeSettings) -> Engine:
     args = engine_args(settings, lm.path, published_rank(store), length)
     llm = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
     backend = VLLMBackend(vllm, llm, importlib.import_module("vllm.lora.request").LoRARequest,
-                          length, args["max_lora_rank"])
-    return Engine(settings, lm, chat_format(lm.processor), base_hash, store, backend=backend)
+                          args["max_lora_rank"])
+    return Engine(settings, lm, chat_format(lm.processor), base_hash, store, length,
+                  text_bound(lm.processor.tokenizer), backend=backend)
 
 
 def check_rank(backend: VLLMBackend, name: str, folder: Path) -> None:
@@ -174,23 +177,23 @@ def adapter_lora(engine: Engine, model: str, name: str) -> Any:
     return engine.resident[name]
 
 
-def check_limits(engine: Engine, stream: Stream) -> None:
-    """Refuse (400) a request vLLM would: too many images, or a prompt beyond the context."""
-    limit, max_len = engine.settings.max_images, engine.backend.max_len
+def check_images(engine: Engine, stream: Stream) -> None:
+    """Refuse (400) a request vLLM would: more images than it makes room for (the context and
+    the pixels are checked by the app and as the prompt is rendered, as for transformers)."""
+    limit = engine.settings.max_images
     if len(stream.images) > limit:
         raise RequestError(f"the request holds {len(stream.images)} images: this server takes "
                            f"at most {limit} (max_images)")
-    if len(stream) >= max_len:
-        raise RequestError(f"the prompt is {len(stream)} tokens: this server's context is "
-                           f"{max_len} tokens (prompt and reply)", code="context_length_exceeded")
 
 
-def prepare(engine: Engine, request: ChatRequest) -> tuple[Stream, dict[str, Any], Any]:
+def prepare(engine: Engine, request: ChatRequest,
+            deadline: float = float("inf")) -> tuple[Stream, dict[str, Any], Any]:
     """The request's stream, its vLLM prompt and LoRARequest (None: the base); the lock is held
-    only while the adapter LRU is read and changed. RequestError for 4xx."""
-    stream = render_messages(engine.lm.processor, engine.fmt, request.messages)
-    check_limits(engine, stream)
-    with engine.lock:
+    only while the adapter LRU is read and changed. RequestError for 4xx (504 past deadline)."""
+    stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
+                             prompt_limits(engine, request))
+    check_images(engine, stream)
+    with held(engine.lock, deadline, engine.settings.request_timeout_s, "the adapter cache"):
         engine.counters["requests"] += 1
         adapter = resolve_model(engine, request.model)
         lora = None if adapter is None else adapter_lora(engine, request.model, adapter)
@@ -205,18 +208,24 @@ async def final_output(llm: Any, prompt: dict[str, Any], params: Any, lora: Any)
     return last
 
 
-async def generate_vllm(engine: Engine, request: ChatRequest) -> dict[str, Any]:
+async def generate_vllm(engine: Engine, request: ChatRequest,
+                        deadline: float = float("inf")) -> dict[str, Any]:
     """Answer one chat request through vLLM (an OpenAI chat.completion dict): rendering and the
     adapter run in a worker thread, the n choices are awaited together with everything else in
-    flight. RequestError for 4xx."""
-    stream, prompt, lora = await asyncio.to_thread(prepare, engine, request)
+    flight. RequestError for 4xx; 504 once time.monotonic() passes `deadline` (the awaited
+    requests are cancelled, and vLLM's generate aborts a cancelled request)."""
+    stream, prompt, lora = await asyncio.to_thread(prepare, engine, request, deadline)
     backend: VLLMBackend = engine.backend
     params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
     generator = None if request.seed is None else torch.Generator().manual_seed(request.seed)
     params_N = [sampling_params(backend.vllm, params, engine.fmt, seed)
                 for seed in row_seeds(request.n, generator)]
-    outputs_N = await asyncio.gather(*(final_output(backend.llm, prompt, p, lora)
-                                       for p in params_N))
+    try:
+        outputs_N = await asyncio.wait_for(asyncio.gather(
+            *(final_output(backend.llm, prompt, p, lora) for p in params_N)),
+            timeout=None if deadline == float("inf") else remaining_s(deadline))
+    except TimeoutError:
+        raise timeout_error(engine.settings.request_timeout_s, "generating") from None
     for out in outputs_N:
         check_prompt(out.prompt_token_ids, stream)
     completions = [to_completion(out.outputs[0], engine.fmt) for out in outputs_N]
