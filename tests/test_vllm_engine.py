@@ -297,8 +297,8 @@ def test_vllm_memory_share_is_checked_before_vllm_starts() -> None:
     gib = 2**30
     check_memory_share(0.3, free_bytes=100 * gib, total_bytes=140 * gib)  # 42 GiB of 100 free
     with pytest.raises(ValueError, match=r"engine.gpu_memory_utilization 0.5 asks vLLM for "
-                       r"70.0 GiB of the GPU's 140 GiB, but only 50.0 GiB is free .*train\(config\) "
-                       r"returns: close it with `.session.close\(\)`.* use 0.34 "
+                       r"70.0 GiB of the GPU's 140 GiB, but only 50.0 GiB is free .*"
+                       r"train\(config\) returns: close it with `.session.close\(\)`.* use 0.34 "
                        r"or less"):
         check_memory_share(0.5, free_bytes=50 * gib, total_bytes=140 * gib)
     for bad in (0.0, 1.0, 1.5):
