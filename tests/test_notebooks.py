@@ -188,6 +188,22 @@ def test_02_rollouts(kernel: str, sft_model: str, tmp_path: Path) -> None:
     assert_pictures_saved(tmp_path / "02_rollouts.ipynb")
 
 
+def test_02_rollouts_takes_the_seed_recipe_by_its_parameters(kernel: str, tiny_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """PRESET="seed_gpu" with DEVICE and OVERRIDES: the same cells run the seed's recipe (LoRA 32,
+    32-token replies) here on the CPU, with the transformers engine for vLLM and parity
+    advantages since the random tiny model earns no reward: what a GPU run changes."""
+    m = run_notebook("02_rollouts", kernel, tmp_path, BASE_MODEL=str(tiny_dir), PRESET="seed_gpu",
+                     DEVICE="cpu", MAX_TURNS=2, SAMPLES_PER_MAZE=2, OVERRIDES=[
+                         "model.dtype=float32", "engine.name=transformers",
+                         "speed.compile_decode=false", "speed.compile_layers=false",
+                         "algorithm.advantage=parity"])
+    assert m["recipe"] == {"device": "cpu", "dtype": "float32", "engine": "transformers",
+                           "lora_rank": 32, "max_tokens": 32}
+    assert m["turns_P_G"] == [[2, 2], [2, 2]] and m["rewards_P_G"] == [[0.0, 0.0], [0.0, 0.0]]
+    assert m["advantages_P_G"] == [[-1.0, 1.0], [-1.0, 1.0]] and m["datums"] == 4
+
+
 def test_02_rollouts_html_shows_the_trajectories_without_javascript(
         kernel: str, sft_model: str, tmp_path: Path) -> None:
     """nbconvert's HTML of the executed notebook, scripts removed: the player's and the group
