@@ -295,6 +295,7 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_serve_hostile::test_the_text_bound_never_claims_more_tokens_than_the_tokenizer_makes":
         (),
     "test_serve_hostile::test_no_text_bound_where_none_is_proven": (),
+    "test_serve_parity::test_vllm_serves_as_trained": ("gpu",),
     "test_spec::test_a_spec_round_trips_through_its_file": (),
     "test_storage::test_run_dir_on_s3_is_mirrored_and_resumed_from_s3": ("slow",),  # 20 s
     "test_tasks::test_room_plays_through_the_session_and_the_phases": ("slow",),  # 25 s
@@ -380,3 +381,22 @@ def ray_temp_dir() -> Iterator[Path]:
 def another_ray_temp_dir() -> Iterator[Path]:
     """A test's own second Ray instance's folder (`_short_temp_dir`)."""
     yield from _short_temp_dir()
+
+
+def export_adapter(base: Path, folder: Path, lora: Any, seed: int) -> Path:
+    """Export a LoRA adapter `lora` (a LoraSettings) on `base` with B drawn at random (scale 0.5,
+    `seed`), so it answers unlike the base; its session works in `folder`."""
+    import torch
+
+    from workbench.session import SessionSpec, create_session
+
+    session = create_session(SessionSpec(str(base), lora, workdir=str(folder)))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for key, p in session.host.trainable().items():
+            if "lora_B" in key:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    path = Path(session.training_client.export(folder / "exports" / f"global_step_{seed}",
+                                               "adapter").result())
+    session.close()
+    return path

@@ -332,8 +332,10 @@ def test_a_request_goes_as_token_prompt_images_and_sampling_params(
     for i, choice in enumerate(body["choices"]):
         assert choice["index"] == i and choice["finish_reason"] == "stop"
         assert choice["message"] == {"role": "assistant", "content": "right"}
-        assert [(t["token"], t["logprob"]) for t in choice["logprobs"]["content"]] == [
-            (tok.decode([t]), fake_vllm.logprob(k)) for k, t in enumerate(reply)]
+        assert [(t["token"], t["logprob"], bytes(t["bytes"]))
+                for t in choice["logprobs"]["content"]] == [
+            (tok.decode([t]), fake_vllm.logprob(k), tok.decode([t]).encode())
+            for k, t in enumerate(reply)]  # "right" is one token; <|im_end|> its own text
 
 
 def test_refused_requests_never_reach_the_engine(client: Any, fake_vllm: FakeAsyncVLLM,
@@ -356,6 +358,41 @@ def test_refused_requests_never_reach_the_engine(client: Any, fake_vllm: FakeAsy
     assert status == 422 and body["error"]["code"] == "adapter_rank"
     assert "LoRA rank 64, above this server's max_lora_rank 8" in body["error"]["message"]
     assert fake_vllm.calls == [] and "wide" not in client.engine.resident
+
+
+def test_a_vision_lora_adapter_is_refused_by_vllm_and_served_by_transformers(
+        client: Any, fake_vllm: FakeAsyncVLLM, store: storage.Store, tiny_dir: Path,
+        tmp_path: Path) -> None:
+    """vLLM applies LoRA to Qwen3-VL's language model only: an adapter with vision-tower LoRA
+    (lora.vision=true) is a 422 naming its modules and the fix; transformers serves it."""
+    from conftest import export_adapter
+    from starlette.testclient import TestClient
+
+    from workbench.model import LoraSettings
+    from workbench.serve.app import build_app
+    from workbench.serve.engine import open_transformers_engine
+    from workbench.serve.vllm_async import vision_modules
+
+    folder = export_adapter(tiny_dir, tmp_path / "vis", LoraSettings(4, 8, vision=True), 7)
+    registry.publish(store, folder, "vis", eval_results={})
+    modules = vision_modules(folder)
+    assert modules[:3] == ["visual.blocks.0.attn.proj", "visual.blocks.0.attn.qkv",
+                           "visual.blocks.0.mlp.linear_fc1"]
+    status, body = _chat(client, "tiny:vis")
+    assert status == 422 and body["error"]["code"] == "adapter_vision_lora"
+    assert body["error"]["message"] == (
+        "adapter 'vis' has LoRA on vision-tower modules (visual.blocks.0.attn.proj, "
+        "visual.blocks.0.attn.qkv, visual.blocks.0.mlp.linear_fc1, ... "
+        f"({len(modules)} in all)) that vLLM does not apply on Qwen3-VL: train it with "
+        "lora.vision=false, or serve it with engine='transformers'")
+    assert fake_vllm.calls == [] and "vis" not in client.engine.resident
+    assert vision_modules(Path(store.root) / "adapters" / "a0") == []  # language-only
+    assert _chat(client, "tiny:a0")[0] == 200
+    engine = open_transformers_engine(ServeSettings(model=str(tiny_dir), served_name="tiny",
+                                                    adapters=store.root))
+    with TestClient(build_app(engine)) as plain:
+        status, body = _chat(plain, "tiny:vis")
+    assert status == 200 and list(engine.resident) == ["vis"]
 
 
 def test_past_max_queue_429_and_past_the_time_504_with_the_request_cancelled(

@@ -3,7 +3,8 @@
 replica; Ray Serve runs the replicas (or, with address "", a uvicorn thread of this process).
 See `workbench.serve.deploy` (start, serve, shutdown),
 `workbench.serve.app` (the ASGI app), `workbench.serve.engine` (base + adapters + sampler),
-`workbench.serve.limits` (what one request may take: body, context, pixels, queue, time) and
+`workbench.serve.limits` (what one request may take: body, context, pixels, queue, time),
+`workbench.serve.parity` (served log-probs against the trainer's) and
 `workbench.serve.vllm` (the GPU config for Ray Serve LLM).
 
 Nothing here imports Ray, FastAPI or boto3 until a function needs them.

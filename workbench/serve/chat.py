@@ -20,6 +20,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -74,6 +75,9 @@ def parse_request(body: Any, default_max_tokens: int, max_tokens_limit: int) -> 
         raise RequestError("temperature must be in [0, 2]")
     seed = body.get("seed")
     seed = None if seed is None else _integer("seed", seed, *SEED_RANGE, 0)
+    if body.get("top_logprobs"):
+        raise RequestError("top_logprobs is not supported by this server: logprobs=true gives "
+                           "each sampled token's log-prob", code="unsupported")
     return ChatRequest(body["model"], messages, max_tokens, temperature, n, seed,
                        bool(body.get("logprobs")))
 
@@ -244,14 +248,37 @@ def completion_json(request: ChatRequest, processor: Any, prompt_tokens: int,
                                   "finish_reason": c.stop_reason, "logprobs": None}
         if request.logprobs:
             choice["logprobs"] = {"content": [
-                {"token": processor.tokenizer.decode([t]), "logprob": lp, "bytes": None,
-                 "top_logprobs": []} for t, lp in zip(c.tokens, c.logprobs)]}
+                {"token": processor.tokenizer.decode([t]), "logprob": lp,
+                 "bytes": list(token_bytes(processor.tokenizer, t)), "top_logprobs": []}
+                for t, lp in zip(c.tokens, c.logprobs)]}
         choices.append(choice)
     completion_tokens = sum(len(c.tokens) for c in completions)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": request.model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable character -> the byte it stands for (GPT-2's table)."""
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+          *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    for b in range(256):
+        if b not in bs:
+            bs, cs = [*bs, b], [*cs, 256 + len(cs) - 188]  # 188 printable bytes map to themselves
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The exact bytes of one token (a piece of a character stays its raw bytes): a special or
+    added token's text in UTF-8, else its byte-level BPE piece mapped back to bytes."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    table = _byte_decoder()
+    if token_id in tokenizer.added_tokens_decoder or not all(ch in table for ch in piece):
+        return piece.encode()
+    return bytes(table[ch] for ch in piece)
 
 
 def image_data_url(image_HW3: np.ndarray, fmt: str = "png") -> str:

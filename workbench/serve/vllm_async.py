@@ -16,6 +16,8 @@ What differs:
 - the engine: enable_lora with max_loras = max_cpu_loras = cache_size, max_lora_rank from the
   largest rank published when the replica starts (at least 8; a larger adapter published later
   is refused with a 422), prefix caching, max_model_len = the model's max_position_embeddings;
+- an adapter with LoRA on the vision tower (`lora.vision=true`) is refused with a 422 naming
+  its modules (`check_vision`): vLLM applies LoRA to Qwen3-VL's language model only;
 - a checked adapter goes with each request as LoRARequest(name, id, folder); the id is stable per
   upload (a re-published name gets a new id, so vLLM never keeps old weights under it). Our LRU
   counts hits / misses / evictions as the transformers engine does; vLLM keeps the same number of
@@ -157,6 +159,30 @@ def check_rank(backend: VLLMBackend, name: str, folder: Path) -> None:
                            code="adapter_rank")
 
 
+def vision_modules(folder: Path) -> list[str]:
+    """The vision-tower modules (`visual.`...) an adapter folder's LoRA weights adapt, sorted
+    (read from the safetensors header: no tensor is loaded)."""
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as weights:
+        keys = list(weights.keys())
+    return sorted({key[key.index("visual."):].split(".lora_")[0] for key in keys
+                   if key.startswith("visual.") or ".visual." in key})
+
+
+def check_vision(name: str, folder: Path) -> None:
+    """Refuse (422) an adapter with LoRA on the vision tower: vLLM applies LoRA to Qwen3-VL's
+    language model only, so it would serve the adapter without those modules."""
+    modules = vision_modules(folder)
+    if modules:
+        listed = ", ".join(modules[:3]) + (f", ... ({len(modules)} in all)"
+                                           if len(modules) > 3 else "")
+        raise RequestError(f"adapter {name!r} has LoRA on vision-tower modules ({listed}) that "
+                           "vLLM does not apply on Qwen3-VL: train it with lora.vision=false, "
+                           "or serve it with engine='transformers'", status=422,
+                           code="adapter_vision_lora")
+
+
 def adapter_lora(engine: Engine, model: str, name: str) -> Any:
     """The LoRARequest of adapter `name`: on a miss it is fetched, checked and given the id of
     its upload; beyond cache_size the least recently used one is evicted (counted)."""
@@ -166,6 +192,7 @@ def adapter_lora(engine: Engine, model: str, name: str) -> Any:
     folder = fetch(engine, model, name)
     check_adapter(engine, name, folder)
     check_rank(backend, name, folder)
+    check_vision(name, folder)
     assert engine.store is not None  # fetch found the adapter there
     upload = storage.marker_token(engine.store, f"{registry.ADAPTERS}/{name}")
     lora_id = backend.lora_ids.setdefault((name, upload), len(backend.lora_ids) + 1)
