@@ -520,3 +520,18 @@ def test_module_names_and_ratio_stats() -> None:
     stats = ratio_stats(np.log([0.5, 0.5]), np.log([0.5, 0.7]), LossConfig())
     assert stats["tokens"] == 2 and math.isclose(stats["ratio_max"], 1.4)
     assert stats["clip_fraction"] == 0.5 and stats["ratio_min"] == 1.0
+
+
+def test_context_budget_plot_stacks_each_turn_under_the_limit() -> None:
+    from workbench.viz import plot_context_budget
+
+    rows = [{"turn": 0, "image_tokens": 0, "text_tokens": 19, "reply_tokens": 0, "context": 19},
+            {"turn": 1, "image_tokens": 1, "text_tokens": 15, "reply_tokens": 4, "context": 39},
+            {"turn": 2, "image_tokens": 1, "text_tokens": 51, "reply_tokens": 4, "context": 95}]
+    fig = plot_context_budget(rows, 100)
+    assert set(_labelled(fig)) == {"earlier turns", "image tokens", "text tokens",
+                                   "reply tokens", "limit (100)"}
+    bars = fig.axes[0].patches  # earlier, image, text, reply: one bar a turn each
+    assert [b.get_height() for b in bars] == [0, 19, 39, 0, 1, 1, 19, 15, 51, 0, 4, 4]
+    assert bars[-1].get_y() + bars[-1].get_height() == 95  # the context after turn 2
+    assert fig.axes[0].get_lines()[0].get_ydata()[0] == 100

@@ -57,6 +57,7 @@ from workbench.policy.vllm_engine import (
     to_completion,
     vllm_prompt,
 )
+from workbench.rl import phases
 from workbench.rl.rollout import observe, play_episodes
 from workbench.session import Session, SessionSpec, create_session, datum_from_stream
 from workbench.session.types import AdamParams
@@ -668,9 +669,14 @@ def test_rollout_runs_the_multi_turn_loop_on_the_engine(vllm_session: Session,
             mask_T = stream.loss_mask_T
             replies = [fake_vllm.reply_ids(t) for t in range(len(SCRIPT))]
             assert [tok for tok, m in zip(stream.tokens_T, mask_T) if m] == sum(replies, [])
+            assert ep.sampled_tokens == replies  # recorded as the engine returned them
             assert [lp for lp, m in zip(stream.logprobs_T, mask_T) if m] == pytest.approx(
                 [fake_vllm.logprob(t, k) for t, reply in enumerate(replies)
                  for k in range(len(reply))])
+    # every datum holds the engine's ids (the same check as the transformers engine's)
+    ro = phases.RolloutRecord(episodes_P_G, SamplingParams(max_tokens=3), 0, 0.0)
+    adv = phases.AdvantageRecord(np.ones((2, 2)), 0, "grpo")
+    assert phases.token_mismatches(ro, adv, phases.make_datums(ro, adv)) == 0
 
 
 def test_prefix_cache_hits_are_reported_per_step(vllm_session: Session, fake_vllm: FakeVLLM

@@ -347,6 +347,34 @@ def _datum_plan(phase: str, record: RolloutRecord, adv: AdvantageRecord,
     return plan
 
 
+def token_mismatches(record: RolloutRecord, adv: AdvantageRecord, datums: list[Datum],
+                     drop_zero: bool = True) -> int:
+    """Reply tokens of the datums that are not the token ids the engine returned for that turn
+    (`Episode.sampled_tokens`, recorded at sample time): 0 when every datum holds exactly what
+    was sampled, never a re-tokenization of its text. Each datum is matched with its episode by
+    `datum_index` (the same `drop_zero` as make_datums); `reply_mismatches` counts one."""
+    index = datum_index(record, adv, drop_zero)
+    if len(index) != len(datums):
+        raise ValueError(f"token_mismatches: {len(datums)} datums for the {len(index)} that "
+                         "make_datums(record, adv) makes: pass that list")
+    return sum(reply_mismatches(record.episodes_P_G[p][g].sampled_tokens, d.stream)
+               for (p, g), d in zip(index, datums))
+
+
+def reply_mismatches(sampled_R: list[list[int]], stream: Stream) -> int:
+    """Over the stream's replies (runs of loss-mask tokens; a windowed turn's stream holds the
+    first replies of its episode), the tokens that differ from sampled_R[r], the ids drawn for
+    turn r: positions holding another id, plus the difference in length (a reply with no
+    sampled turn counts all its tokens)."""
+    replies_R: list[list[int]] = [[] for _ in range(replies(stream))]
+    for token, r in zip(stream.tokens_T, stream.reply_index_T()):
+        if r >= 0:
+            replies_R[r].append(token)
+    want_R = list(sampled_R[:len(replies_R)]) + [[]] * (len(replies_R) - len(sampled_R))
+    return sum(sum(a != b for a, b in zip(got, want)) + abs(len(got) - len(want))
+               for got, want in zip(replies_R, want_R))
+
+
 def _check_pair(phase: str, record: Any, adv: Any) -> None:
     _takes(phase, record, RolloutRecord, "the RolloutRecord first", "pass ro = rollout(...)")
     _takes(phase, adv, AdvantageRecord, "an AdvantageRecord second",

@@ -50,6 +50,9 @@ class Episode:
     reward: float = 0.0  # episode reward (task and format terms)
     success: bool = False  # solved under the config's reward rule
     stream: Stream | None = None  # token stream (model policies only)
+    sampled_tokens: list[list[int]] = field(default_factory=list)
+    # per turn, the token ids the engine returned for the reply, recorded as it returned them
+    # (`phases.token_mismatches` checks every datum against them)
     turn_streams: list[Stream] = field(default_factory=list)
     # with an image window (generator.history_images = k): per turn, the prompt the sampler
     # was given (older images cut out) and the reply it sampled, what the update trains on
@@ -160,6 +163,7 @@ def play_model(
         completions = live.decode(params, generator)
         for i, done in zip(rows, completions):
             reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
+            episodes[i].sampled_tokens.append(list(done.tokens))
             if history_images:
                 prompt = keep_last_images(streams[i], fmt, history_images)
                 episodes[i].turn_streams.append(

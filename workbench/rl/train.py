@@ -6,7 +6,8 @@ exact resume.
 Every step: new sampling client from the current weights -> rollout of P mazes x G episodes
 (mazes and sampling seed are functions of the step, so a resumed run sees the same data) ->
 score -> group advantages -> datums -> one update (none when no datum carries signal: the loop
-says why, once) -> metrics.jsonl, with the step's phases timed (time/step, time/rollout,
+says why, once) -> metrics.jsonl (rollout/token_mismatches: datum tokens that are not the ids
+the engine drew, expected 0), with the step's phases timed (time/step, time/rollout,
 time/update, time/weight_sync, time/rollout_wait; time/eval on evaluation rows); the loop ends on
 a "GRPO steps: N/N in S s" line. A full
 checkpoint holds the weights, optimiser, step and RNG states; `trainer.resume_mode=latest`
@@ -30,6 +31,7 @@ from workbench.envs.tasks import TASKS
 from workbench.opener import check_model, open_session, session_spec
 from workbench.policy import Stream
 from workbench.rl import phases
+from workbench.rl.budget import check_context
 from workbench.rl.evaluate import turn_rates
 from workbench.rl.rollout import episode_summary
 from workbench.rl.schedule import (
@@ -65,9 +67,11 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     checkpoint and refuses a config change outside its allow-list. Resuming loads the
     checkpoint's weights, optimiser, step and RNG states and drops the metric rows logged after
     it; every start writes its config to config.json; a fresh run writes manifest.json and,
-    when trainer.ckpt_interval > 0, its step-0 checkpoint."""
+    when trainer.ckpt_interval > 0, its step-0 checkpoint. A config whose episodes could pass
+    the engine's context limit is told so in one line first (`rl.budget.check_context`)."""
     check_model(config.model.name)  # a missing model folder: one line, no run folder touched
     check_loggers(config.trainer.logger)  # a missing logger extra: the same
+    check_context(config, log)  # episodes that could pass the engine's context: one line
     run = runfolder.open_run(config, log)
     run_dir = run.run_dir
     session = open_session(session_spec(config, run_dir), log)
@@ -132,6 +136,7 @@ def train_step(trainer: Trainer) -> dict[str, float]:
     row["time/weight_sync"] = sync_seconds
     row["time/rollout_wait"] = waited if ahead is not None else ro.seconds
     row["rollout/policy_lag"] = 1 if ahead is not None else 0  # steps behind the updated weights
+    row["rollout/token_mismatches"] = phases.token_mismatches(ro, adv, datums)  # expected 0
     row |= speed.result()  # speed/*: 0.0 for a fast path that fell back
     if c.trainer.keep_step_records:
         index = phases.datum_index(ro, adv)

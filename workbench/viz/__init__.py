@@ -28,6 +28,7 @@ from workbench.viz.plots import (
     group_by_layer,
     noise_band,
     plot_advantages,
+    plot_context_budget,
     plot_grad_norms,
     plot_logprob_scatter,
     plot_phase_times,
@@ -46,6 +47,6 @@ __all__ = [
     "PALETTE", "GroupView", "Player", "StepInspector", "as_record", "draw_episode",
     "episode_grid", "episode_strip", "episode_strip_png", "figure_png", "frame_png",
     "group_by_layer", "group_view", "noise_band", "plot_advantages", "plot_grad_norms",
-    "plot_logprob_scatter", "plot_phase_times", "plot_training", "step_inspector",
-    "trajectory_player", "turn_rows",
+    "plot_context_budget", "plot_logprob_scatter", "plot_phase_times", "plot_training",
+    "step_inspector", "trajectory_player", "turn_rows",
 ]

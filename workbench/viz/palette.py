@@ -37,6 +37,8 @@ PALETTE: dict[str, str] = {
     "rollout": SKY, "update": BLUE, "weight_sync": ORANGE, "other": "#d3d3d3",
     # log-probabilities (plot_logprob_scatter)
     "tokens": BLUE, "diagonal": GREY,
+    # the context budget (plot_context_budget)
+    "image": ORANGE, "text": SKY, "reply": BLUE, "limit": VERMILLION,
 }
 """Named colours (matplotlib colour strings); keys name what is drawn, not where."""
 

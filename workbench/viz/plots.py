@@ -7,6 +7,7 @@ type a legend entry; colours come from `workbench.viz.palette.PALETTE`.
     plot_advantages(adv.advantages_P_G, sc.rewards_P_G)
     plot_logprob_scatter(sampler_N, trainer_N)
     plot_grad_norms(module_grad_norms(...))    # heatmap: layers x module types
+    plot_context_budget(turn_budget(episode, limit), limit)   # tokens per turn, the limit
 
 Each function returns the Figure (a notebook shows it; a script calls fig.savefig). A key a
 row does not hold (a step without an update logs no loss) is a gap in its line, never a zero.
@@ -220,6 +221,27 @@ def plot_phase_times(rows: list[dict]) -> Any:
     ax.set_xlabel("step")
     ax.set_ylabel("seconds")
     ax.set_title("time per phase", fontsize=10)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    return fig
+
+
+def plot_context_budget(rows: list[dict], limit: int) -> Any:
+    """Stacked bars per turn of `rl.budget.turn_budget` rows: the context held before the turn,
+    then the turn's image, text and reply tokens, under a line at the engine's limit."""
+    plt = require("matplotlib.pyplot")
+    x = [r["turn"] for r in rows]
+    parts = {key: np.array([r[key] for r in rows]) for key in
+             ("image_tokens", "text_tokens", "reply_tokens")}
+    bottom = np.clip(np.array([r["context"] for r in rows]) - sum(parts.values()), 0, None)
+    fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
+    ax.bar(x, bottom, label="earlier turns", color=PALETTE["other"])
+    for key, colour in zip(parts, ("image", "text", "reply")):
+        ax.bar(x, parts[key], bottom=bottom, label=key.replace("_", " "), color=PALETTE[colour])
+        bottom = bottom + parts[key]
+    ax.axhline(limit, color=PALETTE["limit"], linestyle="--", label=f"limit ({limit})")
+    ax.set_xlabel("turn (0: system prompt)")
+    ax.set_ylabel("tokens")
+    ax.set_title("context per turn", fontsize=10)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     return fig
 
