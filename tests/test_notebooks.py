@@ -88,7 +88,7 @@ def run_notebook(name: str, kernel: str, out: Path, **parameters) -> dict:
     return read_recorded(out / "metrics.json")
 
 
-VIEWERS = ("trajectory_player(", "group_view(", "step_inspector(")
+VIEWERS = ("trajectory_player(", "group_view(", "step_inspector(", "token_view(")
 PICTURES = VIEWERS + ("plot_", "episode_grid(", "plt.")
 
 
@@ -240,6 +240,9 @@ def test_03_update(kernel: str, sft_model: str, tmp_path: Path) -> None:
     replayed = m["replay_replayed"]
     assert replayed["update/grad_norm"] > 0.0 and replayed["update/datums"] > 0
     assert m["replay_logged"]["update/loss"] == replayed["update/loss"]
+    # the token view's episode: every reply token, on-policy ratios of 1 (CPU float32), moved after
+    assert m["inspect_tokens"] == m["inspect_reply_tokens"] > 0
+    assert m["inspect_ratio_dev_before"] < 1e-5 and m["inspect_ratio_dev_after"] > 1e-3
     assert_pictures_saved(tmp_path / "03_update.ipynb")
 
 

@@ -36,7 +36,7 @@ from workbench.envs.tasks import SCRIPTED
 from workbench.notebook import comparable
 from workbench.notebook_checks import jsonable, read_recorded, record_metrics
 from workbench.rl import FAILURE_REASONS, failure_reason, play_scripted, wasted_turns
-from workbench.rl.inspect import module_name, ratio_stats
+from workbench.rl.inspect import module_name, ppo_clipped, ratio_stats, token_table
 from workbench.rl.rollout import episode_summary
 from workbench.session.losses import LossConfig
 from workbench.viz import (
@@ -53,6 +53,7 @@ from workbench.viz import (
     plot_phase_times,
     plot_training,
     step_inspector,
+    token_view,
     trajectory_player,
     turn_rows,
 )
@@ -535,3 +536,49 @@ def test_context_budget_plot_stacks_each_turn_under_the_limit() -> None:
     assert [b.get_height() for b in bars] == [0, 19, 39, 0, 1, 1, 19, 15, 51, 0, 4, 4]
     assert bars[-1].get_y() + bars[-1].get_height() == 95  # the context after turn 2
     assert fig.axes[0].get_lines()[0].get_ydata()[0] == 100
+
+
+def _token_datum(advantage: float):
+    """Two turns of two reply tokens each (ids 10-13), sampler log-prob log(0.5) on each."""
+    from workbench.policy import Stream
+    from workbench.session import Datum
+
+    mask = [0, 1, 1, 0, 1, 1]
+    stream = Stream(list(range(8, 14)), [0] * 6, mask, [np.log(0.5) * m for m in mask])
+    return Datum(stream, tuple(advantage * m for m in mask), tuple(float(m) for m in mask))
+
+
+def test_token_table_rows_and_ppo_clipping_by_advantage_sign() -> None:
+    cfg = LossConfig()
+    assert ppo_clipped(np.array([1.3, 1.3, 0.7, 0.7]), np.array([1.0, -1.0, 1.0, -1.0]),
+                       cfg).tolist() == [True, False, False, True]
+    datums = [_token_datum(1.0), _token_datum(-1.0)]
+    before = [list(d.stream.logprobs_T) for d in datums]
+    after = [[lp + np.log(1.3) for lp in d.stream.logprobs_T] for d in datums]
+    for g, clipped in ((0, True), (1, False)):  # ratio 1.3: PPO clips it for A > 0 only
+        table = token_table(datums, [(0, 0), (0, 1)], (0, g), before, after, cfg)
+        assert [r["turn"] for r in table.rows] == [1, 1, 2, 2] and table.turns == 2
+        assert [r["token"] for r in table.rows] == [9, 10, 12, 13]
+        assert all(r["ratio_before"] == 1.0 and not r["clipped_before"] for r in table.rows)
+        assert all(math.isclose(r["ratio_after"], 1.3) for r in table.rows)
+        assert [r["clipped_after"] for r in table.rows] == [clipped] * 4
+        assert table.stats()["clipped_after"] == 4 * clipped
+    with pytest.raises(ValueError, match="drop_zero=False"):
+        token_table(datums, [(0, 0), (0, 1)], (1, 0), before, after, cfg)
+
+
+def test_token_view_shows_each_turns_tokens_beside_its_image() -> None:
+    episode = _play(SCRIPTED["oracle"])
+    datums = [_token_datum(1.0)]
+    after = [[lp + np.log(1.3) for lp in d.stream.logprobs_T] for d in datums]
+    table = token_table(datums, [(0, 0)], (0, 0), [list(datums[0].stream.logprobs_T)], after,
+                        LossConfig())
+    view = token_view(episode, table)
+    assert view.slider.max == 2 and view.image.value == frame_png(episode, 1, 32)
+    view.slider.value = 2
+    assert view.image.value == frame_png(episode, 2, 32) and "<b>yes</b>" in view.text.value
+    fig = view.figure()
+    assert sum(bool(ax.images) for ax in fig.axes) == 2 and "turn 2" in fig.axes[3].get_title()
+    assert _decode(view.png()).size[0] > 0
+    assert_one_line(view.summary())
+    assert view.summary().startswith("token view: maze 0 (5x5) sample 0, 4 tokens over 2 turns")

@@ -38,8 +38,10 @@ from workbench.viz.widgets import (
     GroupView,
     Player,
     StepInspector,
+    TokenView,
     group_view,
     step_inspector,
+    token_view,
     trajectory_player,
 )
 
@@ -48,5 +50,5 @@ __all__ = [
     "episode_grid", "episode_strip", "episode_strip_png", "figure_png", "frame_png",
     "group_by_layer", "group_view", "noise_band", "plot_advantages", "plot_grad_norms",
     "plot_context_budget", "plot_logprob_scatter", "plot_phase_times", "plot_training",
-    "step_inspector", "trajectory_player", "turn_rows",
+    "step_inspector", "TokenView", "token_view", "trajectory_player", "turn_rows",
 ]

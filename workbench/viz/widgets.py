@@ -1,18 +1,21 @@
 """ipywidgets viewers of episodes and run folders: a trajectory player, a group view, a step
-inspector. They read records (Episodes, episode summaries, a run directory), never a trainer.
+inspector, a token view. They read records (Episodes, episode summaries, a run directory, a
+token table), never a trainer.
 
     trajectory_player(episode)                 # play / slider over turns: image, reply, action
     group_view(ro.episodes_P_G[0], adv_P_G[0]) # the G episodes of one maze side by side
     step_inspector("runs/grpo")                # pick a step: its metrics, episodes, replay
+    token_view(episode, table)                 # per turn: the image, its reply tokens' log-probs
 
 Each returns a small dataclass holding the widget and its parts, so a test can move a slider and
 read what is shown without a browser (ipywidgets 8). A notebook cell displays a viewer as two
 outputs: a static picture first (`viewer.png()`: the episode's frames as one strip, the group's
-episodes on their mazes; the step inspector adds the step's metrics as HTML), then the live
-widget, whose text/plain is one line (`viewer.summary()`) instead of the widget's repr. A live
-JupyterLab shows the picture and the widget; a front end that does not draw the widget view
-shows the picture and the line (its text/plain): JupyterLab on an untrusted notebook (a clone,
-a download, a papermill output), nbconvert's HTML without widget state, GitHub.
+episodes on their mazes; the token view: per turn, the image beside its tokens' log-probs and
+ratios; the step inspector adds the step's metrics as HTML), then the live widget, whose
+text/plain is one line (`viewer.summary()`) instead of the widget's repr. A live JupyterLab
+shows the picture and the widget; a front end that does not draw the widget view shows the
+picture and the line (its text/plain): JupyterLab on an untrusted notebook (a clone, a
+download, a papermill output), nbconvert's HTML without widget state, GitHub.
 """
 
 from __future__ import annotations
@@ -23,11 +26,12 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from workbench.deps import require
+from workbench.envs import InitState, init_maze, render_image
 from workbench.viz.episodes import (
     EpisodeLike,
     as_record,
@@ -37,6 +41,9 @@ from workbench.viz.episodes import (
     grid_figure,
     turn_rows,
 )
+
+if TYPE_CHECKING:
+    from workbench.rl.inspect import TokenTable
 
 
 def png_bundle(png: bytes, alt: str) -> dict[str, str]:
@@ -357,3 +364,111 @@ def step_inspector(run_dir: str | Path, replay_fn: Callable[..., Any] | None = N
     insp.widget = w.VBox([w.HBox([insp.step, insp.group, insp.replay_button]),
                           w.HBox([insp.metrics, insp.episodes]), insp.replay_text])
     return insp
+
+
+def _tokens_html(rows: list[dict[str, Any]]) -> str:
+    """One turn's tokens as a table: text, log-probs, ratios, clipped, advantage."""
+    head = ("<tr><th>token</th><th>sampler</th><th>before</th><th>after</th><th>ratio before"
+            "</th><th>ratio after</th><th>clipped</th><th>advantage</th></tr>")
+    body = "".join(
+        f"<tr><td><code>{html.escape(repr(r['text']))}</code> ({r['token']})</td>"
+        f"<td>{r['sampler']:.4f}</td><td>{r['before']:.4f}</td><td>{r['after']:.4f}</td>"
+        f"<td>{r['ratio_before']:.6f}</td><td>{r['ratio_after']:.4f}</td>"
+        f"<td>{'<b>yes</b>' if r['clipped_after'] else 'no'}</td><td>{r['advantage']:+.3g}</td>"
+        "</tr>" for r in rows)
+    return f"<table>{head}{body}</table>"
+
+
+@dataclass
+class TokenView(_Displayed):
+    """One episode's reply tokens turn by turn: the turn's image beside its tokens' sampler and
+    trainer log-probs (before and after the update), ratios, clipping and advantage."""
+
+    widget: Any
+    slider: Any
+    image: Any
+    text: Any
+    table: TokenTable
+    record: dict[str, Any]  # the episode's summary
+
+    def figure(self, max_turns: int = 8) -> Any:
+        """One row per turn (the first `max_turns`): the image; per token, the sampler's and
+        the trainer's log-probs before and after the update as bars; per token, the ratio
+        after the update on the clip band, clipped tokens crossed (a bare matplotlib Figure)."""
+        from matplotlib.figure import Figure
+
+        from workbench.viz.palette import PALETTE
+
+        table, turns = self.table, min(self.table.turns, max_turns)
+        fig = Figure(figsize=(8.0, 1.4 * turns + 0.6), layout="constrained")
+        grid = fig.add_gridspec(turns, 3, width_ratios=[1, 2.4, 2.4])
+        image = _frame_arrays(self.record)
+        bars = [("sampler", PALETTE["sampled"]), ("before", PALETTE["sft"]),
+                ("after", PALETTE["grpo"])]
+        for k in range(turns):
+            rows, x = table.of_turn(k + 1), np.arange(len(table.of_turn(k + 1)))
+            labels = [repr(r["text"])[:12] if r["text"] else str(r["token"]) for r in rows]
+            thumb = fig.add_subplot(grid[k, 0])
+            thumb.imshow(image(k + 1))
+            thumb.set_axis_off()
+            thumb.set_title(f"turn {k + 1}, adv {rows[0]['advantage']:+.2f}", fontsize=8)
+            lp = fig.add_subplot(grid[k, 1])
+            for j, (key, colour) in enumerate(bars):
+                lp.bar(x + (j - 1) * 0.27, [r[key] for r in rows], 0.27, color=colour,
+                       label=f"log-prob {key}" if k == 0 else None)
+            lp.set_xticks(x, labels, fontsize=7)
+            lp.tick_params(labelsize=7)
+            lp.set_ylabel("log-prob", fontsize=7)
+            ratio = fig.add_subplot(grid[k, 2])
+            ratio.axhspan(1 - table.clip_low, 1 + table.clip_high, color="#eeeeee", zorder=0)
+            ratio.axhline(1.0, color=PALETTE["diagonal"], lw=0.8, zorder=1)
+            ratio.plot(x, [r["ratio_after"] for r in rows], "o", color=PALETTE["loss"],
+                       mfc="white", label="ratio after (clip band shaded)" if k == 0 else None)
+            hits = [i for i, r in enumerate(rows) if r["clipped_after"]]
+            ratio.plot(hits, [rows[i]["ratio_after"] for i in hits], "x", ms=9,
+                       color=PALETTE["advantage_neg"], label="clipped" if k == 0 else None)
+            ratio.set_xticks(x, labels, fontsize=7)
+            ratio.set_xlim(-0.5, len(rows) - 0.5)
+            ratio.tick_params(labelsize=7)
+            ratio.set_ylabel("ratio", fontsize=7)
+        shown = f"turns 1-{turns} of {table.turns}" if turns < table.turns else f"{turns} turns"
+        fig.suptitle(f"{_maze(self.record)}, sample {table.sample}: {shown}", fontsize=9)
+        fig.legend(loc="outside lower center", ncol=5, fontsize=7)
+        return fig
+    def png(self, max_turns: int = 8) -> bytes:
+        """The static picture: `figure` as PNG."""
+        return figure_png(self.figure(max_turns))
+
+    def summary(self) -> str:
+        s = self.table.stats()
+        return (f"token view: {_maze(self.record)} sample {self.table.sample}, {s['tokens']} "
+                f"tokens over {self.table.turns} turns, {s['clipped_after']} clipped after"
+                f"{_LIVE}step through the turns")
+
+    def static_outputs(self) -> list[dict[str, str]]:
+        return [png_bundle(self.png(), f"<tokens of {self.table.turns} turns>")]
+
+
+def _frame_arrays(record: dict[str, Any], px_per_cell: int = 16) -> Callable[[int], np.ndarray]:
+    """The image the model saw before turn t (1-based), as an array, for an episode summary."""
+    maze = init_maze(InitState.from_dict(record["init_state"]))
+    return lambda t: render_image(maze, tuple(record["positions"][t - 1]), px_per_cell)
+
+
+def token_view(episode: EpisodeLike, table: TokenTable, px_per_cell: int = 32,
+               width: int = 160) -> TokenView:
+    """Step through one episode's turns: the image it saw beside a table of its reply tokens
+    (`workbench.rl.inspect.token_table`): sampler and trainer log-probs before and after the
+    update, the ratios, whether PPO clipped the token, its advantage."""
+    w = require("ipywidgets")
+    rec = as_record(episode)
+    frame = _frames(rec, px_per_cell)
+    slider = w.IntSlider(value=1, min=1, max=max(table.turns, 1), description="turn")
+    image = w.Image(value=frame(1), format="png", width=width)
+    text = w.HTML(_tokens_html(table.of_turn(1)))
+
+    def show(change: dict[str, Any]) -> None:
+        image.value = frame(change["new"])
+        text.value = _tokens_html(table.of_turn(change["new"]))
+    slider.observe(show, names="value")
+    return TokenView(w.VBox([slider, w.HBox([image, text])]), slider, image, text, table, rec)
