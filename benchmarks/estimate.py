@@ -1,7 +1,8 @@
 """How close `workbench.estimate` comes: a pilot of --pilot steps, projected to --steps, against a
 run of --steps steps of the same config, timed from the end of its start-up (session open, model
-load, step-0 checkpoint) to its last write. On the CPU with the tiny random-weights model
-(algorithm.advantage=parity gives every group signal, so every step updates).
+load, step-0 checkpoint) to its last write. Each run in a process of its own, so both start cold.
+On the CPU with the tiny random-weights model (algorithm.advantage=parity gives every group
+signal, so every step updates).
 
     python -m benchmarks.estimate                        # pilot 2 steps, run 6
     python -m benchmarks.estimate --pilot 3 --steps 10 generator.max_turns=5   # any key=value
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,19 +45,31 @@ def timed_run(overrides: list[str], steps: int, run_dir: Path) -> float:
     return seconds
 
 
+def fresh_process(overrides: list[str], steps: int, run_dir: Path) -> float:
+    """timed_run in a fresh Python process."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.estimate", "--run-dir", str(run_dir),
+                          "--steps", str(steps), *overrides], check=True, capture_output=True,
+                         text=True).stdout
+    return float(out.splitlines()[-1])
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pilot", type=int, default=2, help="steps of the pilot run")
     ap.add_argument("--steps", type=int, default=6, help="steps of the measured run")
+    ap.add_argument("--run-dir", default="", help="only time one run of --steps steps there")
     ap.add_argument("overrides", nargs="*", help="config overrides (section.key=value)")
     args = ap.parse_args(argv)
+    if args.run_dir:
+        print(timed_run(args.overrides, args.steps, Path(args.run_dir)))
+        return {}
     from workbench.estimate import estimate
     from workbench.run import read_metrics
 
     with tempfile.TemporaryDirectory() as tmp:
-        timed_run(args.overrides, args.pilot, Path(tmp) / "pilot")
+        fresh_process(args.overrides, args.pilot, Path(tmp) / "pilot")
         projected = estimate(Path(tmp) / "pilot", steps=args.steps)
-        measured = timed_run(args.overrides, args.steps, Path(tmp) / "full")
+        measured = fresh_process(args.overrides, args.steps, Path(tmp) / "full")
         step_s = [r["time/step"] for r in read_metrics(Path(tmp) / "full") if "time/step" in r]
     print("\n".join(projected.lines()[:-2]))
     result = {"pilot_steps": args.pilot, "steps": args.steps, "projected_s": projected.wall_s,

@@ -17,7 +17,7 @@ from workbench.session.spec import ClusterSpec
 # step 1 is warm-up; steps 2-4 take 2.0, 3.0, 2.5 s: the median is step 4's 2.5 s
 STEPS = [(1, 9.0, 6.0, 1.0, 1.0), (2, 2.0, 1.0, 0.25, 0.5), (3, 3.0, 1.5, 0.25, 1.0),
          (4, 2.5, 1.0, 0.25, 1.0)]  # step, time/step, rollout_wait, weight_sync, update
-EVALS = [(0, 4.0), (2, 2.0), (4, 3.0)]  # median 3.0 s
+EVALS = [(0, 9.0), (2, 2.0), (4, 3.0)]  # step 0's is warm-up: the median is 2.5 s
 
 
 def _files(folder: Path, span: float) -> None:
@@ -54,13 +54,13 @@ def test_a_pilot_projects_to_exact_seconds_and_cost(tmp_path: Path) -> None:
     assert record.pilot_steps == (2, 3, 4) and record.gpus == 2  # colocated: max(2, 1)
     got = {p.phase: (p.seconds, p.count) for p in record.phases}
     assert got == {"rollout": (1.0, 10), "weight_sync": (0.25, 10), "update": (1.0, 10),
-                   "step_rest": (0.25, 10), "eval": (3.0, 4),  # steps 0, 4, 8, 10
+                   "step_rest": (0.25, 10), "eval": (2.5, 4),  # steps 0, 4, 8, 10
                    "checkpoint": (1.5, 3), "export": (0.5, 3)}  # 0, 5, 10 | 4, 8, 10
-    assert record.wall_s == 25.0 + 12.0 + 4.5 + 1.5 == 43.0
-    assert record.cost == pytest.approx(43.0 / 3600 * 3.6 * 2, rel=1e-12)
+    assert record.wall_s == 25.0 + 10.0 + 4.5 + 1.5 == 41.0
+    assert record.cost == pytest.approx(41.0 / 3600 * 3.6 * 2, rel=1e-12)
     longer = estimate(tmp_path / "pilot", steps=20, price_per_gpu_hour=3.6, price_per_hour=1.8)
-    assert longer.wall_s == 50.0 + 6 * 3.0 + 5 * 1.5 + 5 * 0.5 == 78.0
-    assert longer.cost == pytest.approx(78.0 / 3600 * (3.6 * 2 + 1.8), rel=1e-12)
+    assert longer.wall_s == 50.0 + 6 * 2.5 + 5 * 1.5 + 5 * 0.5 == 75.0
+    assert longer.cost == pytest.approx(75.0 / 3600 * (3.6 * 2 + 1.8), rel=1e-12)
 
 
 def test_gpu_count_follows_the_placement(tmp_path: Path) -> None:
@@ -78,10 +78,10 @@ def test_the_command_prints_a_table_wall_time_cost_and_json(tmp_path: Path, caps
     main(["estimate", str(_pilot(tmp_path / "pilot", _config())), "--price-per-gpu-hour", "3.6"])
     lines = capsys.readouterr().out.splitlines()
     assert "step 1 skipped as warm-up" in lines[0] and lines[1].split()[0] == "phase"
-    assert lines[-3] == "wall time: 43.0 s (0.01 h) for 10 steps, start-up not counted"
-    assert lines[-2] == "cost: 0.09 at 3.6 per GPU-hour x 2 GPU"
+    assert lines[-3] == "wall time: 41.0 s (0.01 h) for 10 steps, start-up not counted"
+    assert lines[-2] == "cost: 0.08 at 3.6 per GPU-hour x 2 GPU"
     record = json.loads(lines[-1])
-    assert record["wall_s"] == 43.0 and record["steps"] == 10 and len(record["phases"]) == 7
+    assert record["wall_s"] == 41.0 and record["steps"] == 10 and len(record["phases"]) == 7
 
 
 def test_a_folder_that_is_no_run_is_one_line(tmp_path: Path, capsys) -> None:

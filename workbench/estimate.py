@@ -6,8 +6,9 @@ The model, from what the pilot's metrics.jsonl and folder hold:
 - a step: the median steady-state step (by time/step; step 1 is skipped as warm-up when the pilot
   has more than one step; the lower middle one of an even count), split into its phases
   (time/rollout_wait, time/weight_sync, time/update, the rest of time/step), times the steps;
-- an evaluation: the median time/eval of the eval rows, times the evaluations the full run makes
-  (step 0, every multiple of trainer.eval_interval, the last step);
+- an evaluation: the median time/eval of the eval rows after step 0 (the step-0 one is warm-up
+  too; it alone when there is no other), times the evaluations the full run makes (step 0,
+  every multiple of trainer.eval_interval, the last step);
 - a checkpoint / an adapter export: not timed in metrics.jsonl, so the median span of the file
   times inside the pilot's checkpoints/global_step_N (exports/global_step_N) folders, a lower
   bound, times the full run's count from trainer.ckpt_interval (step 0 included) and
@@ -117,7 +118,9 @@ def estimate(run_dir: str | Path, steps: int | None = None,
     median = statistics.median_low(r["time/step"] for r in steady)
     row = next(r for r in steady if r["time/step"] == median)
     n = steps or config.trainer.total_steps
-    evals = [r["time/eval"] for r in rows if "time/eval" in r]
+    evals_all = [r for r in rows if "time/eval" in r]
+    evals = [r["time/eval"] for r in evals_all if r["step"] > 0] or \
+        [r["time/eval"] for r in evals_all]
     phases = step_phases(row, n) + [
         PhaseCost("eval", statistics.median(evals) if evals else 0.0, eval_count(config, n)),
         PhaseCost("checkpoint", write_seconds(run / CHECKPOINTS), checkpoint_count(config, n)),
