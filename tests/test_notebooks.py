@@ -255,6 +255,12 @@ def test_04_train_kill_and_resume(kernel: str, sft_model: str, tmp_path: Path) -
     assert all(s >= 1 for s in m["eval_greedy_solved"])
     assert m["checkpoints"] == ["global_step_0", "global_step_2", "global_step_4"]
     assert m["exports"] == ["global_step_4"]
+    phases = {name: (seconds, count) for name, seconds, count in m["projection"]["phases"]}
+    assert {name: count for name, (_, count) in phases.items()} == {  # 100 steps, intervals 2/2/4
+        "rollout": 100, "weight_sync": 100, "update": 100, "step_rest": 100, "eval": 51,
+        "checkpoint": 51, "export": 25}
+    assert phases["rollout"][0] > 0 and phases["eval"][0] > 0 and phases["update"][0] >= 0
+    assert m["projection"]["wall_s"] == pytest.approx(sum(s * c for s, c in phases.values()))
     assert_pictures_saved(tmp_path / "04_train.ipynb")
 
 

@@ -4,6 +4,7 @@
     python -m workbench train  model.name=runs/sft/model trainer.total_steps=40 run_dir=runs/grpo
     python -m workbench eval   model.name=runs/sft/model --adapter runs/grpo/exports/global_step_40
     python -m workbench replay runs/grpo --step 7
+    python -m workbench estimate runs/pilot --steps 100 --price-per-gpu-hour 3.5
     python -m workbench demo   (the whole SFT -> GRPO demo; see `make demo`)
     python -m workbench train  cluster.address=local cluster.num_workers=2   (on Ray actors)
     python -m workbench submit --address http://127.0.0.1:8265 --follow trainer.total_steps=40
@@ -22,6 +23,7 @@ import os
 import sys
 
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys, preset
+from workbench.estimate import EstimateError
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.rl.replay import ReplayError
 from workbench.serve.engine import ENGINES, ServeSettings
@@ -61,6 +63,13 @@ def _replay(args: argparse.Namespace) -> None:
     print("exact" if result.exact else "DIFFERENT")
     if not result.exact:
         sys.exit(1)
+
+
+def _estimate(args: argparse.Namespace) -> None:
+    from workbench.estimate import estimate
+
+    record = estimate(args.run_dir, args.steps, args.price_per_gpu_hour, args.price_per_hour)
+    print("\n".join(record.lines()))
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -251,6 +260,16 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir")
     rp.add_argument("--step", type=int, required=True)
     rp.set_defaults(func=_replay)
+    es = sub.add_parser("estimate", help="a pilot run's phase times projected to a full run's "
+                        "wall time and cost (workbench.estimate)")
+    es.add_argument("run_dir", help="the pilot's run folder")
+    es.add_argument("--steps", type=int, default=None,
+                    help="steps of the full run (default: its trainer.total_steps)")
+    es.add_argument("--price-per-gpu-hour", type=float, default=None,
+                    help="price of one GPU-hour (times the config's GPUs)")
+    es.add_argument("--price-per-hour", type=float, default=None,
+                    help="price of one machine-hour, added (a CPU run has 0 GPUs)")
+    es.set_defaults(func=_estimate)
     demo = sub.add_parser("demo", help="tiny-sft -> GRPO on held-out mazes, table and plots")
     demo.add_argument("--out", default="runs/demo", help="output folder")
     demo.add_argument("--long", action="store_true",
@@ -278,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConnectionError as err:  # Ray unreachable, wrong versions, missing auth token
         print(f"connection error: {err}", file=sys.stderr)
         sys.exit(3)
-    except (StorageError, RegistryError, ForeignBaseError, ReplayError) as err:  # S3, registry,
-        # another base, a step without a record: one line each
+    except (StorageError, RegistryError, ForeignBaseError, ReplayError, EstimateError) as err:
+        # S3, registry, another base, a step without a record, not a run folder: one line each
         print(f"error: {err}", file=sys.stderr)
         sys.exit(4)
