@@ -400,3 +400,51 @@ def export_adapter(base: Path, folder: Path, lora: Any, seed: int) -> Path:
                                                "adapter").result())
     session.close()
     return path
+
+
+# ------------------------------------------------------------ an endpoint in its own process
+
+
+def maze_messages(config: Any, state: Any) -> list[dict[str, Any]]:
+    """The chat messages of a maze's first turn, as `serve.client.play_via_endpoint` sends
+    them: the system rules, then the image and the rollout's text."""
+    from workbench.envs import MazeEnv, system_prompt
+    from workbench.serve.client import user_message
+
+    obs, info = MazeEnv(config).reset(options={"init_state": state})
+    return [{"role": "system", "content": system_prompt(config)}, user_message(obs, info, config)]
+
+
+def wait_ready(proc: Any, base_url: str, log: Path, key: str, timeout_s: float,
+               every_s: float) -> None:
+    """Until `GET <base_url>/models` answers 200 with the key; fails with the log's tail when
+    the process exits first or `timeout_s` passes."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            r = httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {key}"})
+            if r.status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(every_s)
+    pytest.fail(f"serve not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
+
+
+def stop_process(proc: Any, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL when it has not exited after `timeout_s`."""
+    import signal
+    import subprocess
+
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -26,15 +26,14 @@ from __future__ import annotations
 import concurrent.futures as cf
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import stop_process, wait_ready
 
 from workbench import registry, storage
 from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
@@ -272,33 +271,11 @@ def live_server(s3_server: str, lora_adapters: dict[str, Path], tiny_dir: Path, 
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}/v1"
     try:
-        _wait_ready(proc, base_url, tmp / "serve.log")
+        wait_ready(proc, base_url, tmp / "serve.log", KEY, timeout_s=240, every_s=1.0)
         yield base_url
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc, timeout_s=60)
         log.close()
-
-
-def _wait_ready(proc: subprocess.Popen, base_url: str, log: Path, timeout_s: float = 240) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            r = httpx.get(f"{base_url}/models", headers={"Authorization": f"Bearer {KEY}"})
-            if r.status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"serve not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
 
 
 @pytest.fixture(scope="module")

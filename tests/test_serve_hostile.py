@@ -23,7 +23,6 @@ import io
 import json
 import os
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -36,11 +35,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import maze_messages, stop_process, wait_ready
 
 from workbench import registry, storage
-from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
-from workbench.rl.rollout import user_text
-from workbench.serve import image_data_url
+from workbench.envs import MazeConfig, eval_set
 from workbench.serve.deploy import free_port
 from workbench.serve.limits import TextBound, text_bound
 
@@ -61,15 +59,6 @@ MAZE = MazeConfig(size=5, max_turns=4)
 AT_ONCE = ("1 MB prompt", "20 MB body with Content-Length", "20 MB body, chunked",
            "Content-Length 20 MB, no body", "8000 x 8000 image")
 """Cases refused before the queue: their latencies are printed beside the percentiles."""
-
-
-def _maze_turn() -> list[dict[str, Any]]:
-    env = MazeEnv(MAZE)
-    obs, info = env.reset(options={"init_state": eval_set(5, 1)[0]})
-    return [{"role": "system", "content": system_prompt(MAZE)},
-            {"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_data_url(obs["image"])}},
-                {"type": "text", "text": user_text(obs, info, MAZE)}]}]
 
 
 def _png_url(width: int, height: int) -> str:
@@ -114,29 +103,10 @@ def server(hostile_store: str, tiny_dir: Path,
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
         try:
             base_url = f"http://127.0.0.1:{port}/v1"
-            _wait_ready(proc, base_url, tmp / "serve.log")
+            wait_ready(proc, base_url, tmp / "serve.log", KEY, timeout_s=120, every_s=0.5)
             yield Server(base_url, port, proc.pid)
         finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-
-def _wait_ready(proc: subprocess.Popen, base_url: str, log: Path, timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"serve exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{base_url}/models", headers=_auth()).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    pytest.fail(f"serve not ready after {timeout_s} s:\n{log.read_text()[-3000:]}")
+            stop_process(proc, timeout_s=30)
 
 
 def _auth(key: str = KEY) -> dict[str, str]:
@@ -362,7 +332,7 @@ def _send(client: Any, server: Server, case: Case) -> tuple[Case, Reply, float]:
 
 
 def test_hostile_corpus_among_50_clients(server: Server) -> None:
-    maze, rng = _maze_turn(), random.Random(SEED)
+    maze, rng = maze_messages(MAZE, eval_set(5, 1)[0]), random.Random(SEED)
     corpus = hostile_cases(maze) + well_formed_cases(maze, rng)
     rng.shuffle(corpus)
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import maze_messages
 
 from workbench import registry, storage
-from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
+from workbench.envs import MazeConfig, eval_set
 from workbench.model import LoraSettings
-from workbench.rl.rollout import user_text
-from workbench.serve import ServeSettings, image_data_url
+from workbench.serve import ServeSettings
 from workbench.serve.parity import check_served_logprobs
 
 MAZE = MazeConfig(size=5, max_turns=4)
@@ -29,12 +29,7 @@ TOLERANCE = 1e-4  # float32 on the CPU: the same weights, kernels and rule on bo
 
 
 def _messages() -> list[dict[str, Any]]:
-    env = MazeEnv(MAZE)
-    obs, info = env.reset(options={"init_state": eval_set(5, 1)[0]})
-    return [{"role": "system", "content": system_prompt(MAZE)},
-            {"role": "user", "content": [
-                {"type": "image_url", "image_url": {"url": image_data_url(obs["image"])}},
-                {"type": "text", "text": user_text(obs, info, MAZE)}]}]
+    return maze_messages(MAZE, eval_set(5, 1)[0])  # a maze's first turn
 
 
 @pytest.fixture(scope="module")
