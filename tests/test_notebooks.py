@@ -430,39 +430,48 @@ def _run_all_cells(page, expect, attempts: int = 4) -> None:
                 pass
 
 
-def test_trajectory_player_in_a_real_browser(lab: str) -> None:
-    """Open 02_rollouts in JupyterLab, run all cells, see the player's image, move its slider
-    with the keyboard and see the turn change; the screenshot is kept in runs/test-artifacts."""
-    from playwright.sync_api import expect, sync_playwright
+@contextmanager
+def _browser_page(screenshot: str) -> Iterator:
+    """A page of Debian's chromium (1400 x 1000); its full-page screenshot is kept as
+    runs/test-artifacts/<screenshot>, whether the test passed or failed."""
+    from playwright.sync_api import sync_playwright
 
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
         page = browser.new_page(viewport={"width": 1400, "height": 1000})
         try:
-            page.goto(lab)
-            idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
-            expect(idle).to_be_visible(timeout=120_000)
-            text = page.locator(".widget-html-content").filter(has_text="reply:").first
-            for attempt in range(2):  # a kernel swapped under a running "Run All" drops it
-                _run_all_cells(page, expect)
-                try:
-                    expect(text).to_contain_text("turn 1 of", timeout=240_000)
-                    break
-                except AssertionError:
-                    if attempt == 1:
-                        raise
-            image = page.locator("img.widget-image").first
-            expect(image).to_be_visible()
-            assert image.evaluate("img => img.naturalWidth") > 0, "the frame did not load"
-            page.locator(".widget-slider .noUi-handle").first.focus()
-            page.keyboard.press("ArrowRight")
-            expect(text).to_contain_text("turn 2 of", timeout=30_000)
-            expect(page.locator(".widget-readout").first).to_have_text("2")
+            yield page
         finally:
-            page.screenshot(path=str(ARTIFACTS / "browser_02_rollouts.png"), full_page=True)
+            page.screenshot(path=str(ARTIFACTS / screenshot), full_page=True)
             browser.close()
 
+
+def test_trajectory_player_in_a_real_browser(lab: str) -> None:
+    """Open 02_rollouts in JupyterLab, run all cells, see the player's image, move its slider
+    with the keyboard and see the turn change; the screenshot is kept in runs/test-artifacts."""
+    from playwright.sync_api import expect
+
+    with _browser_page("browser_02_rollouts.png") as page:
+        page.goto(lab)
+        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+        expect(idle).to_be_visible(timeout=120_000)
+        text = page.locator(".widget-html-content").filter(has_text="reply:").first
+        for attempt in range(2):  # a kernel swapped under a running "Run All" drops it
+            _run_all_cells(page, expect)
+            try:
+                expect(text).to_contain_text("turn 1 of", timeout=240_000)
+                break
+            except AssertionError:
+                if attempt == 1:
+                    raise
+        image = page.locator("img.widget-image").first
+        expect(image).to_be_visible()
+        assert image.evaluate("img => img.naturalWidth") > 0, "the frame did not load"
+        page.locator(".widget-slider .noUi-handle").first.focus()
+        page.keyboard.press("ArrowRight")
+        expect(text).to_contain_text("turn 2 of", timeout=30_000)
+        expect(page.locator(".widget-readout").first).to_have_text("2")
 
 
 @pytest.fixture
@@ -495,28 +504,21 @@ def saved_lab(kernel: str, tmp_path: Path) -> Iterator[str]:
 def test_saved_notebook_without_a_kernel_in_a_real_browser(saved_lab: str) -> None:
     """Open a saved notebook in JupyterLab with no kernel: each viewer shows its picture and
     its one line, no widget repr; the screenshot is kept in runs/test-artifacts."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
-    ARTIFACTS.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        try:
-            page.goto(saved_lab)
-            dialog = page.locator(".jp-Dialog")  # "Select Kernel"
-            dialog.get_by_role("button", name="No Kernel", exact=True).click(timeout=120_000)
-            expect(dialog).to_have_count(0)
-            expect(page.locator(".jp-StatusBar-TextItem").filter(
-                has_text="No Kernel")).to_have_count(1)
-            lines = page.locator(".jp-OutputArea-output[data-mime-type='text/plain']")
-            expect(lines.filter(has_text="trajectory player: maze")).to_have_count(1)
-            expect(lines.filter(has_text="group view: 2 episodes")).to_have_count(1)
-            images = page.locator(".jp-OutputArea-output[data-mime-type='image/png'] img")
-            expect(images).to_have_count(2)
-            assert all(img.evaluate("i => i.naturalWidth") > 0 for img in images.all())
-            output = page.locator(".jp-OutputArea").last.inner_text()
-            assert "run the cell to" in output and "VBox(" not in output
-            expect(page.locator(".widget-slider")).to_have_count(0)  # no live widget
-        finally:
-            page.screenshot(path=str(ARTIFACTS / "browser_saved_no_kernel.png"), full_page=True)
-            browser.close()
+    with _browser_page("browser_saved_no_kernel.png") as page:
+        page.goto(saved_lab)
+        dialog = page.locator(".jp-Dialog")  # "Select Kernel"
+        dialog.get_by_role("button", name="No Kernel", exact=True).click(timeout=120_000)
+        expect(dialog).to_have_count(0)
+        expect(page.locator(".jp-StatusBar-TextItem").filter(
+            has_text="No Kernel")).to_have_count(1)
+        lines = page.locator(".jp-OutputArea-output[data-mime-type='text/plain']")
+        expect(lines.filter(has_text="trajectory player: maze")).to_have_count(1)
+        expect(lines.filter(has_text="group view: 2 episodes")).to_have_count(1)
+        images = page.locator(".jp-OutputArea-output[data-mime-type='image/png'] img")
+        expect(images).to_have_count(2)
+        assert all(img.evaluate("i => i.naturalWidth") > 0 for img in images.all())
+        output = page.locator(".jp-OutputArea").last.inner_text()
+        assert "run the cell to" in output and "VBox(" not in output
+        expect(page.locator(".widget-slider")).to_have_count(0)  # no live widget
