@@ -149,6 +149,25 @@ class TrainerConfig:
     folder's mlflow.db, or $MLFLOW_TRACKING_URI; extra `mlflow`). E.g. jsonl,tensorboard,mlflow:
     every row's numbers under the metrics.jsonl keys at its step (workbench/loggers.py)."""
 
+    # The intervals as the fields above state them; `last` is the run's last step (default
+    # total_steps). The loop acts on them, and `workbench.estimate` counts them.
+    def eval_due(self, step: int, last: int | None = None) -> bool:
+        """Whether an evaluation follows step `step` (>= 1): each multiple of eval_interval
+        and the last step (step 0's is always run)."""
+        end = self.total_steps if last is None else last
+        return bool(self.eval_interval) and step % self.eval_interval == 0 or step == end
+
+    def export_due(self, step: int, last: int | None = None) -> bool:
+        """Whether an adapter export follows step `step`: each multiple of hf_save_interval
+        and the last step; never when it is 0."""
+        end = self.total_steps if last is None else last
+        return bool(self.hf_save_interval) and (step % self.hf_save_interval == 0 or step == end)
+
+    def checkpoint_due(self, step: int) -> bool:
+        """Whether a full checkpoint follows step `step` (step 0 included): each multiple of
+        ckpt_interval; never when it is 0."""
+        return bool(self.ckpt_interval) and step % self.ckpt_interval == 0
+
 
 @dataclass(frozen=True)
 class AlgorithmConfig:

@@ -140,21 +140,18 @@ def step_phases(row: dict[str, Any], steps: int) -> list[PhaseCost]:
 
 
 def eval_count(config: RunConfig, steps: int) -> int:
-    """Evaluations of a `steps`-step run: step 0, each multiple of eval_interval, the last."""
-    every = config.trainer.eval_interval
-    return 1 + sum(1 for s in range(1, steps + 1) if every and s % every == 0 or s == steps)
+    """Evaluations of a `steps`-step run: step 0's, then each step the loop evaluates after."""
+    return 1 + sum(config.trainer.eval_due(s, steps) for s in range(1, steps + 1))
 
 
 def checkpoint_count(config: RunConfig, steps: int) -> int:
-    """Full checkpoints: step 0 and each multiple of ckpt_interval (none when 0)."""
-    every = config.trainer.ckpt_interval
-    return 1 + steps // every if every else 0
+    """Full checkpoints of a `steps`-step run, step 0's included."""
+    return sum(config.trainer.checkpoint_due(s) for s in range(steps + 1))
 
 
 def export_count(config: RunConfig, steps: int) -> int:
-    """Adapter exports: each multiple of hf_save_interval and the last step (none when 0)."""
-    every = config.trainer.hf_save_interval
-    return steps // every + (steps % every != 0) if every else 0
+    """Adapter exports of a `steps`-step run."""
+    return sum(config.trainer.export_due(s, steps) for s in range(1, steps + 1))
 
 
 def gpu_count(config: RunConfig) -> int:

@@ -175,20 +175,13 @@ def refill(config: RunConfig, sampler: Any, ro: phases.RolloutRecord,
     return ro, sampled_P_G
 
 
-def checkpoint_due(config: RunConfig, step: int) -> bool:
-    """Whether a full checkpoint follows step `step` (every trainer.ckpt_interval steps; never
-    when 0)."""
-    t = config.trainer
-    return bool(t.ckpt_interval) and step % t.ckpt_interval == 0
-
-
 def samples_ahead(config: RunConfig, step: int) -> bool:
     """Whether step `step` starts the next step's rollout before its update: with
     algorithm.off_policy_steps=1, unless it is the last step or a checkpoint step (the step after
     a checkpoint samples on-policy, in a resumed run as in an uninterrupted one)."""
     t = config.trainer
     return config.algorithm.off_policy_steps == 1 and step < t.total_steps \
-        and not checkpoint_due(config, step)
+        and not t.checkpoint_due(step)
 
 
 def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
@@ -345,12 +338,12 @@ def _after_step(trainer: Trainer, log: Any) -> None:
     hf_save_interval and after the last step (never when 0); full checkpoint after each
     multiple of ckpt_interval (never when 0), written last."""
     t, step = trainer.config.trainer, trainer.step
-    if t.eval_interval and step % t.eval_interval == 0 or step == t.total_steps:
+    if t.eval_due(step):
         _log_eval(trainer, run_eval(trainer, "grpo"), log)
-    if t.hf_save_interval and (step % t.hf_save_interval == 0 or step == t.total_steps):
+    if t.export_due(step):
         trainer.training_client.export(
             trainer.run_dir / runfolder.EXPORTS / runfolder.step_folder(step), "adapter").result()
-    if checkpoint_due(trainer.config, step):
+    if t.checkpoint_due(step):
         runfolder.save_checkpoint(trainer.run_dir, step, trainer.training_client, trainer.config)
     runfolder.mirror_run(trainer.run_dir, trainer.config)  # s3:// run_dir: upload what is new
 
