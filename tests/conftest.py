@@ -405,16 +405,6 @@ def export_adapter(base: Path, folder: Path, lora: Any, seed: int) -> Path:
 # ------------------------------------------------------------ an endpoint in its own process
 
 
-def maze_messages(config: Any, state: Any) -> list[dict[str, Any]]:
-    """The chat messages of a maze's first turn, as `serve.client.play_via_endpoint` sends
-    them: the system rules, then the image and the rollout's text."""
-    from workbench.envs import MazeEnv, system_prompt
-    from workbench.serve.client import user_message
-
-    obs, info = MazeEnv(config).reset(options={"init_state": state})
-    return [{"role": "system", "content": system_prompt(config)}, user_message(obs, info, config)]
-
-
 def wait_ready(proc: Any, base_url: str, log: Path, key: str, timeout_s: float,
                every_s: float) -> None:
     """Until `GET <base_url>/models` answers 200 with the key; fails with the log's tail when

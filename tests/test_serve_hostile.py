@@ -35,10 +35,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import maze_messages, stop_process, wait_ready
+from conftest import stop_process, wait_ready
 
 from workbench import registry, storage
 from workbench.envs import MazeConfig, eval_set
+from workbench.serve.client import first_messages
 from workbench.serve.deploy import free_port
 from workbench.serve.limits import TextBound, text_bound
 
@@ -332,7 +333,7 @@ def _send(client: Any, server: Server, case: Case) -> tuple[Case, Reply, float]:
 
 
 def test_hostile_corpus_among_50_clients(server: Server) -> None:
-    maze, rng = maze_messages(MAZE, eval_set(5, 1)[0]), random.Random(SEED)
+    maze, rng = first_messages(MAZE, eval_set(5, 1)[0]), random.Random(SEED)
     corpus = hostile_cases(maze) + well_formed_cases(maze, rng)
     rng.shuffle(corpus)
     limits = httpx.Limits(max_connections=CLIENTS, max_keepalive_connections=CLIENTS)

@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import maze_messages
 
 from workbench import registry, storage
 from workbench.envs import MazeConfig, eval_set
 from workbench.model import LoraSettings
 from workbench.serve import ServeSettings
+from workbench.serve.client import first_messages
 from workbench.serve.parity import check_served_logprobs
 
 MAZE = MazeConfig(size=5, max_turns=4)
@@ -29,7 +29,7 @@ TOLERANCE = 1e-4  # float32 on the CPU: the same weights, kernels and rule on bo
 
 
 def _messages() -> list[dict[str, Any]]:
-    return maze_messages(MAZE, eval_set(5, 1)[0])  # a maze's first turn
+    return first_messages(MAZE, eval_set(5, 1)[0])  # a maze's first turn
 
 
 @pytest.fixture(scope="module")

@@ -197,19 +197,18 @@ def test_trainer_reproduces_sampler_logprobs(make_session, temperature: float) -
             < 1e-4
 
 
-def test_trainer_logprobs_do_not_depend_on_the_micro_batch_size(make_session,
-                                                                sft_model: str) -> None:
+def test_trainer_logprobs_do_not_depend_on_the_micro_batch_size(make_session) -> None:
     """The same 8 datums (episodes of different lengths, so a batch pads the shorter ones)
     forwarded in chunks of 1, 2 and 4 give the same per-token log-probs: within 1e-5 on the CPU
-    in float32 (seen: up to 1.1e-6). Were padding to leak into real tokens, on-policy ratios
+    in float32 (seen: up to 4.8e-7). Were padding to leak into real tokens, on-policy ratios
     would differ from 1 by the micro-batch size."""
-    session = make_session(model=Path(sft_model))
+    session = make_session()
     tc = session.training_client
     sampler = tc.save_weights_and_get_sampling_client()
     params = SamplingParams(max_tokens=2, temperature=1.0)
-    streams = [[ep.stream for group in sampler.play(play_episodes, MazeConfig(9, max_turns=n),
-                                                    eval_set(9, 2), 2, params, seed=0).result()
-                for ep in group] for n in (2, 6)]  # turn budgets of 2 and 6: two lengths
+    streams = [[ep.stream for group in sampler.play(play_episodes, MazeConfig(5, max_turns=n),
+                                                    eval_set(5, 2), 2, params, seed=0).result()
+                for ep in group] for n in (2, 5)]  # turn budgets of 2 and 5: two lengths
     datums = [datum_from_stream(s) for pair in zip(*streams) for s in pair]  # interleaved
     assert len({len(d.stream) for d in datums}) > 1, "all of one length: nothing is padded"
     by_size = {}
