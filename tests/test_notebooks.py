@@ -428,11 +428,11 @@ def _close_dialogs(page) -> list[str]:
     return closed
 
 
-def _run_all_cells(page, expect, attempts: int = 4) -> list[str]:
+def _run_all_cells(page, expect, attempts: int = 4) -> None:
     """Run > Run All Cells until the first code cell has started ([*] or [1]): a kernel that
     shows idle before its websocket is ready drops the first request, and dialogs may cover
-    the menu (both seen on clean clones). Returns the texts of the dialogs it closed; a run
-    that never starts fails with them."""
+    the menu (both seen on clean clones). A run that never starts fails with the texts of the
+    dialogs it closed."""
     import re
 
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -445,12 +445,11 @@ def _run_all_cells(page, expect, attempts: int = 4) -> list[str]:
             page.get_by_role("menuitem", name="Run", exact=True).click(timeout=10_000)
             page.get_by_role("menuitem", name="Run All Cells", exact=True).click(timeout=10_000)
             expect(started).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=20_000)
-            return closed
+            return
         except (AssertionError, PlaywrightTimeout) as err:  # a dialog, or a dropped run
             if attempt == attempts - 1:
                 raise AssertionError(f"Run All Cells never started; dialogs closed: "
                                      f"{closed or 'none'}") from err
-    return closed
 
 
 @contextmanager

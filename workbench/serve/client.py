@@ -29,19 +29,25 @@ def user_message(obs: dict[str, Any], info: dict[str, Any], config: MazeConfig) 
                                                  "text": user_text(obs, info, config)}]}
 
 
-def first_messages(config: MazeConfig, init_state: InitState) -> list[dict[str, Any]]:
-    """A maze's opening conversation: the system rules, then its first image and text."""
-    obs, info = MazeEnv(config).reset(options={"init_state": init_state})
+def opening_messages(obs: dict[str, Any], info: dict[str, Any],
+                     config: MazeConfig) -> list[dict[str, Any]]:
+    """A conversation's opening: the system rules, then the first observation's user turn."""
     return [{"role": "system", "content": system_prompt(config)}, user_message(obs, info, config)]
+
+
+def first_messages(config: MazeConfig, init_state: InitState) -> list[dict[str, Any]]:
+    """A maze's opening conversation, from a fresh environment (for one request or a check)."""
+    obs, info = MazeEnv(config).reset(options={"init_state": init_state})
+    return opening_messages(obs, info, config)
 
 
 def play_via_endpoint(client: Any, model: str, config: MazeConfig, init_state: InitState,
                       temperature: float = 0.0, max_tokens: int = 4) -> Episode:
     """One episode whose replies come from `client.chat.completions` (an openai.OpenAI)."""
     env = MazeEnv(config)
-    env.reset(options={"init_state": init_state})
+    obs, info = env.reset(options={"init_state": init_state})
     episode = Episode(init_state=init_state, positions=[env.pos])
-    messages = first_messages(config, init_state)
+    messages = opening_messages(obs, info, config)
     while not env.done:
         reply = client.chat.completions.create(model=model, messages=messages,
                                                temperature=temperature, max_tokens=max_tokens)
