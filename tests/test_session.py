@@ -404,6 +404,20 @@ def test_save_state_after_sampling_saves_the_trainers_weights(make_session, orac
     b.close()
 
 
+def test_close_frees_the_policy_its_variables_still_name(make_session, oracle_datums) -> None:
+    """close() moves the policy to the meta device and drops the optimiser's moments, so a
+    notebook that closes a session and opens another (notebook 03's run after its own session)
+    gets the memory back while its variables still name the first; a second close is fine."""
+    session = make_session()
+    _step(session, oracle_datums)
+    host = session.host
+    assert host.optimizer.state and {p.device.type for p in host.lm.model.parameters()} == {"cpu"}
+    session.close()
+    assert not host.optimizer.state
+    assert {p.device.type for p in host.lm.model.parameters()} == {"meta"}
+    session.close()
+
+
 def test_incomplete_checkpoint_is_refused(make_session, oracle_datums, tmp_path) -> None:
     session = make_session()
     tc = session.training_client

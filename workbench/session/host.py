@@ -159,8 +159,17 @@ def trainable_bytes(host: ModelHost) -> int:
 
 
 def close(host: ModelHost) -> None:
-    """Free what the host's sampler engine holds beyond its objects (vLLM's engine core)."""
+    """Free what the host holds on its device: the sampler engine (vLLM's engine core), then the
+    policy's weights, gradients and optimiser state (the model goes to the meta device), so a
+    notebook that closes a session and opens another gets the memory back while its variables
+    still name the first. The host serves no call after this."""
     host.engine.close()
+    host.optimizer.state.clear()
+    host.versions.clear()
+    host.parked, host.static = None, None
+    host.lm.model.to("meta")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 # ------------------------------------------------------------------- sampler weight versions
