@@ -108,7 +108,9 @@ def _real_vllm() -> bool:
     return torch.cuda.is_available()
 
 
-VLLM_TOLERANCE = 0.05  # vLLM runs bfloat16 against the float32 trainer: to be confirmed on a GPU
+# vLLM serves in bfloat16 against the float32 trainer: on the H200 the largest difference was
+# 0.104 (T=1.0, 2 tokens) and 0.019 (T=0, 6 tokens), the base 2.98 and 15.05 away
+VLLM_TOLERANCE = 0.25
 
 
 @pytest.mark.gpu
