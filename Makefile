@@ -63,6 +63,7 @@ bench-scale: setup
 bench-trl: setup
 	bash benchmarks/trl_env.sh
 	benchmarks/.trl-venv/bin/python -m benchmarks.trl_compare --plot docs/trl_compare.png
+	benchmarks/.trl-venv/bin/python -m benchmarks.trl_multiturn --plot docs/trl_multiturn.png
 
 # The product's GRPO step on a CUDA machine (the 8B shape, vLLM sampling, in-process).
 bench-gpu:

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         from workbench.model.presets import save_random
 
         start = time.perf_counter()
-        folder = (Path(args.out) / f"random-{args.random_shape}").resolve()  # the kernel runs in out/
+        # absolute: each notebook's kernel runs in its own out folder
+        folder = (Path(args.out) / f"random-{args.random_shape}").resolve()
         device = "cuda" if torch.cuda.is_available() else "cpu"
         parameters["BASE_MODEL"] = save_random(args.random_shape, folder, device=device)
         print(f"BASE_MODEL {folder} (random weights) ready in {time.perf_counter() - start:.1f} s")
