@@ -222,19 +222,27 @@ def trl_rows(config: RunConfig) -> list[dict[str, Any]]:
     return rows
 
 
+def tool_processor(folder: str | Path) -> Any:
+    """The folder's processor with TRL's tool turns: TOOL_CHAT_TEMPLATE and KEYWORD_TEMPLATE."""
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(folder)
+    processor.chat_template = processor.tokenizer.chat_template = TOOL_CHAT_TEMPLATE
+    processor.tokenizer.response_template = KEYWORD_TEMPLATE
+    return processor
+
+
 def run_trl(cfg: MultiConfig, round_: int) -> RunRecord:
     """`cfg.steps` steps of TRL's GRPOTrainer with the maze as its environment."""
     from datasets import Dataset
-    from transformers import AutoModelForImageTextToText, AutoProcessor, TrainerCallback
+    from transformers import AutoModelForImageTextToText, TrainerCallback
     from trl import GRPOTrainer
 
     from workbench.policy import chat_format
 
     rec = RunRecord("trl", round_, threads=torch.get_num_threads())
     folder = resolve_model_path(cfg.model)
-    processor = AutoProcessor.from_pretrained(folder)
-    processor.chat_template = processor.tokenizer.chat_template = TOOL_CHAT_TEMPLATE
-    processor.tokenizer.response_template = KEYWORD_TEMPLATE
+    processor = tool_processor(folder)
     model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32,
                                                         attn_implementation="sdpa")
     model = add_lora(model, lora_settings(cfg))

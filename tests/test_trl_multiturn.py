@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from PIL import Image
-from transformers import AutoProcessor
 
-from benchmarks.trl_multiturn import KEYWORD_TEMPLATE, TOOL_CHAT_TEMPLATE
+from benchmarks.trl_multiturn import WORDS, tool_processor
 from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
 from workbench.policy import append_reply, append_user, chat_format, encode_image, start_stream
 from workbench.rl.rollout import user_text
@@ -19,15 +18,8 @@ from workbench.rl.rollout import user_text
 TASK = MazeConfig(size=5, max_turns=3)
 
 
-def _tool_processor(folder: Path):
-    processor = AutoProcessor.from_pretrained(folder)
-    processor.chat_template = processor.tokenizer.chat_template = TOOL_CHAT_TEMPLATE
-    processor.tokenizer.response_template = KEYWORD_TEMPLATE
-    return processor
-
-
 def test_a_tool_turn_renders_as_the_workbench_stream(tiny_dir: Path) -> None:
-    processor = _tool_processor(tiny_dir)
+    processor = tool_processor(tiny_dir)
     fmt, env = chat_format(processor), MazeEnv(TASK)
     obs, info = env.reset(options={"init_state": eval_set(5, 1)[0]})
     first = (obs["image"], user_text(obs, info, TASK))
@@ -61,13 +53,13 @@ def test_a_tool_turn_renders_as_the_workbench_stream(tiny_dir: Path) -> None:
 
 
 def test_a_reply_word_reads_as_its_tool_call(tiny_dir: Path) -> None:
-    tok = _tool_processor(tiny_dir).tokenizer
+    tok = tool_processor(tiny_dir).tokenizer
     prefix = tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
 
     def parsed(text: str) -> dict:
         return tok.parse_response(tok(text)["input_ids"], prefix=prefix)
 
-    for word in ("up", "down", "left", "right", "stop"):
+    for word in WORDS:
         assert parsed(word + "<|im_end|>")["tool_calls"] == [
             {"type": "function", "function": {"name": word, "arguments": {}}}]
     assert parsed("hello<|im_end|>") == {"role": "assistant", "content": "hello"}
