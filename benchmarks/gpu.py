@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H200 SXM (no sparsity)
 PHASES = ("time/step", "time/rollout", "time/update", "time/weight_sync", "time/rollout_wait")
 
 
@@ -142,8 +143,8 @@ def time_decode(engine: Any, prompts_P: list[Any], n: int, tokens: int,
 
 
 def summarize(rows: list[dict[str, Any]], episodes: int) -> dict[str, float]:
-    """Medians over the timed steps: each phase's seconds, tokens/s, the sampler/trainer KL and
-    the sampler's own counters (vllm/*)."""
+    """Medians over the timed steps: each phase's seconds, tokens/s, the sampler/trainer KL, the
+    PPO clip fraction and the sampler's own counters (vllm/*)."""
     def med(values: Any) -> float:
         return statistics.median(values)
 
@@ -156,10 +157,23 @@ def summarize(rows: list[dict[str, Any]], episodes: int) -> dict[str, float]:
     if trained:
         out |= {"update_tokens_per_s": med(r["rollout/tokens_mean"] * r["update/datums"]
                                            / r["time/update"] for r in trained),
-                "kl_sampler_trainer": med(r["update/kl_sampler_trainer"] for r in trained)}
+                "kl_sampler_trainer": med(r["update/kl_sampler_trainer"] for r in trained),
+                "clip_fraction": med(r["update/clip_fraction"] for r in trained)}
     for key in sorted({k for r in rows for k in r if k.startswith("vllm/")}):
         out[key] = med(r[key] for r in rows if key in r)
     return out
+
+
+def update_mfu(summary: dict[str, Any], model: Any) -> dict[str, float]:
+    """The update's model FLOP rate, by one stated convention: per trained token 4 N_text (the
+    frozen text linear layers' forward and activation gradient, N_text their weights), leaving
+    out attention scores, LoRA, the lm_head and the vision tower (a lower bound); as a share of
+    the H200's dense bf16 peak, in FP8 too, so the two read on one scale."""
+    from workbench.session.fp8 import frozen_linears
+
+    n_text = sum(m.weight.numel() for m in frozen_linears(model))
+    tflops = summary["update_tokens_per_s"] * 4 * n_text / 1e12
+    return {"update_model_tflops": tflops, "update_mfu_bf16_peak": tflops / H200_BF16_TFLOPS}
 
 
 def machine(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,10 +212,12 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
             "off_policy": args.off_policy, "P": args.mazes, "G": args.group,
             "turns": args.turns, "max_tokens": args.max_tokens, "warmup": args.warmup},
             "steps": len(timed), **summarize(timed, args.mazes * args.group)}
+        host = getattr(trainer.session, "host", None)  # in-process sessions only
+        if host is not None and "update_tokens_per_s" in summary and args.device == "cuda":
+            summary |= update_mfu(summary, host.lm.model)
         if args.eval:
             summary["eval_s"] = run_eval(trainer).seconds
         if args.decode:
-            host = getattr(trainer.session, "host", None)  # in-process sessions only
             if host is None:
                 raise SystemExit("--decode times the in-process engine: use --backend inprocess")
             prompts = first_prompts(trainer.training_client.get_processor(), config.task,

@@ -29,6 +29,26 @@ def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> Non
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["update/datums"] == 4 for r in rows)  # parity: every episode trained
     assert (tmp_path / "summary.json").is_file()
+    assert 0 <= summary["clip_fraction"] <= 1
+
+
+def test_the_update_mfu_counts_four_flops_a_text_weight_a_token() -> None:
+    """update_mfu's convention on the small shape with LoRA: per token 4 x the frozen text
+    linear weights (every layer's q, k, v, o, gate, up, down, counted by hand), against the
+    H200's 989 TFLOP/s."""
+    from workbench.model import LoraSettings, add_lora
+    from workbench.model.presets import build_random
+
+    lm = build_random("qwen3-vl-small-shape", device="cpu")
+    text = lm.model.config.text_config
+    heads, kv, head_dim = (text.num_attention_heads, text.num_key_value_heads, text.head_dim)
+    per_layer = (2 * text.hidden_size * heads * head_dim + 2 * text.hidden_size * kv * head_dim
+                 + 3 * text.hidden_size * text.intermediate_size)
+    model = add_lora(lm.model, LoraSettings(rank=4, alpha=8))
+    out = gpu.update_mfu({"update_tokens_per_s": 1e6}, model)
+    expected = 1e6 * 4 * per_layer * text.num_hidden_layers / 1e12
+    assert out["update_model_tflops"] == pytest.approx(expected)
+    assert out["update_mfu_bf16_peak"] == pytest.approx(expected / 989.0)
 
 
 def test_off_policy_needs_a_warm_up_step(capsys: pytest.CaptureFixture[str]) -> None:

@@ -281,6 +281,7 @@ SKYRL_KEYS = {  # SkyRL's spelling=value -> the key it sets here and the value i
     "trainer.policy.optimizer_config.max_grad_norm=0.5": ("algorithm.grad_clip_norm", 0.5),
     "trainer.update_epochs_per_batch=2": ("algorithm.update_epochs", 2),
     "trainer.gradient_checkpointing=true": ("speed.gradient_checkpointing", True),
+    "trainer.fp8_base=true": ("speed.fp8_base", True),
     # the keys the seed quotes are this config's own
     "generator.n_samples_per_prompt=8": ("generator.n_samples_per_prompt", 8),
     "generator.max_turns=15": ("generator.max_turns", 15),

@@ -372,7 +372,8 @@ def _jupyter_lab(root: Path, tmp_path: Path) -> Iterator[str]:
          "--allow-root", f"--port={port}", f"--IdentityProvider.token={token}",
          f"--ServerApp.root_dir={root}",
          f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
-         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}"],
+         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+         "--LabApp.expose_app_in_browser=True"],  # window.jupyterapp: its kernel state
         env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "lab.log", "w"))
     try:
         _wait_for_server(f"http://127.0.0.1:{port}/api/status?token={token}", proc)
@@ -428,28 +429,50 @@ def _close_dialogs(page) -> list[str]:
     return closed
 
 
-def _run_all_cells(page, expect, attempts: int = 4) -> None:
-    """Run > Run All Cells until the first code cell has started ([*] or [1]): a kernel that
-    shows idle before its websocket is ready drops the first request, and dialogs may cover
-    the menu (both seen on clean clones). A run that never starts fails with the texts of the
-    dialogs it closed."""
+_KERNEL_READY = """() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const kernel = panel && panel.sessionContext && panel.sessionContext.session
+    && panel.sessionContext.session.kernel;
+  return !!kernel && kernel.connectionStatus === 'connected' && kernel.status === 'idle';
+}"""
+_KERNEL_STATE = """() => {
+  const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const session = panel && panel.sessionContext && panel.sessionContext.session;
+  const kernel = session && session.kernel;
+  return `app ${!!window.jupyterapp}, widget ${panel && panel.title.label}, kernel `
+    + (kernel ? `${kernel.name} ${kernel.status} ${kernel.connectionStatus}` : 'none');
+}"""
+
+
+def _run_all_cells(page, expect, attempts: int = 3) -> None:
+    """Run every cell once the notebook's kernel is connected and idle, as JupyterLab's own
+    state says (its app object, exposed to the page by `_jupyter_lab`), not its status bar: a
+    kernel that shows idle before its websocket is ready drops the request, and a dialog may
+    cover the menu (both seen on clean clones). The command runs through the app's command
+    registry (Run > Run All Cells' own command; not awaited), again if the first cell has not
+    started ([*] or [1]) 30 s later; a run that never starts fails with the kernel's state and
+    the dialogs closed."""
     import re
 
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     started = page.locator(".jp-CodeCell .jp-InputPrompt").first
     closed: list[str] = []
-    for attempt in range(attempts):
+    for _ in range(attempts):
+        closed += _close_dialogs(page)
         try:
-            closed += _close_dialogs(page)
-            page.get_by_role("menuitem", name="Run", exact=True).click(timeout=10_000)
-            page.get_by_role("menuitem", name="Run All Cells", exact=True).click(timeout=10_000)
-            expect(started).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=20_000)
+            page.wait_for_function(_KERNEL_READY, timeout=120_000)
+        except PlaywrightTimeout:
+            raise AssertionError(f"the kernel never became ready: {page.evaluate(_KERNEL_STATE)}"
+                                 f"; dialogs closed: {closed or 'none'}") from None
+        page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+        try:
+            expect(started).to_have_text(re.compile(r"\[(\*|\d+)\]"), timeout=30_000)
             return
-        except (AssertionError, PlaywrightTimeout) as err:  # a dialog, or a dropped run
-            if attempt == attempts - 1:
-                raise AssertionError(f"Run All Cells never started; dialogs closed: "
-                                     f"{closed or 'none'}") from err
+        except AssertionError:  # a dropped run, or a dialog in front of it
+            continue
+    raise AssertionError(f"Run All Cells never started: {page.evaluate(_KERNEL_STATE)}; "
+                         f"dialogs closed: {closed or 'none'}")
 
 
 @contextmanager

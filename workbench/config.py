@@ -364,6 +364,7 @@ ALIASES = {
     "trainer.policy.optimizer_config.max_grad_norm": "algorithm.grad_clip_norm",
     "trainer.update_epochs_per_batch": "algorithm.update_epochs",
     "trainer.gradient_checkpointing": "speed.gradient_checkpointing",
+    "trainer.fp8_base": "speed.fp8_base",
 }
 """SkyRL's keys that live in another section here, accepted verbatim; the keys the seed quotes
 under their SkyRL names (generator.n_samples_per_prompt, generator.max_turns,

@@ -61,6 +61,7 @@ class ModelHost:
     engine: Engine  # draws samples (engine.name); follows the sampler versions below
     speed: SpeedSettings = field(default_factory=SpeedSettings)
     static: Any = None  # the CUDA-graph decode state (policy.graphs.StaticDecode), if built
+    fp8_base: bool = False  # the update runs the frozen base in FP8 (speed.fp8_base, session.fp8)
     opt_steps: int = 0
     weights_id: int = 0  # bumps whenever the trainable weights change
     versions: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
@@ -116,6 +117,15 @@ def _trainer_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
 
     if speed.gradient_checkpointing:
         set_checkpointing(host.lm.model, True, speed.selective_checkpointing)
+    if speed.fp8_base:  # before compile_layers: the compiled layers trace the FP8 forward
+        from workbench.policy.graphs import warn_fallback
+        from workbench.session.fp8 import fp8_unsupported, use_fp8_base
+
+        if reason := fp8_unsupported(host.lm.model):
+            warn_fallback("speed.fp8_base", reason)
+        else:
+            use_fp8_base(host.lm.model)
+            host.fp8_base = True
     if speed.compile_layers:
         compile_for_training(host.lm.model)
 
@@ -137,6 +147,8 @@ def speed_metrics(host: ModelHost) -> dict[str, float]:
     warning said why); nothing for paths that were never asked for."""
     cache = getattr(host.engine, "cache_metrics", None)  # the vLLM engine's prefix cache
     out: dict[str, float] = cache() if cache else {}
+    if host.speed.fp8_base:
+        out["speed/fp8_base"] = float(host.fp8_base)
     static = host.static
     if static is None:
         return out
@@ -167,6 +179,10 @@ def close(host: ModelHost) -> None:
     host.optimizer.state.clear()
     host.versions.clear()
     host.parked, host.static = None, None
+    if host.fp8_base:
+        from workbench.session.fp8 import drop_fp8_base
+
+        drop_fp8_base(host.lm.model)
     host.lm.model.to("meta")
     if torch.cuda.is_available():
         torch.cuda.empty_cache()

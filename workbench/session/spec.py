@@ -62,6 +62,12 @@ class SpeedSettings:
     lora_autocast: bool = False
     """On a bf16 base: compute the LoRA adapters in bf16 under autocast instead of peft's float32
     path; adapter weights, gradients and Adam stay float32. Ignored on float32 models."""
+    fp8_base: bool = False
+    """With a LoRA adapter on a bf16 model and an FP8 GPU (compute capability 8.9+): the update
+    runs the frozen base's text linear layers in FP8 (e4m3, row-wise scales, quantisation
+    compiled into one kernel), forward and the activation gradient; the adapter, its gradients
+    and Adam are unchanged, calls without grad stay bf16 (`session.fp8`). Costs an FP8 copy of
+    the text matrices (half their bf16 size). Elsewhere it falls back, saying why."""
 
 
 @dataclass(frozen=True)
