@@ -5,6 +5,7 @@ time/rollout_wait) and, when asked, one evaluation (time/eval) and the sampler's
     python -m benchmarks.gpu --out runs/bench/gpu.json              # CUDA: vLLM, in-process
     python -m benchmarks.gpu --engine transformers --backend ray    # our engine, on Ray actors
     python -m benchmarks.gpu --off-policy --steps 3                 # algorithm.off_policy_steps=1
+    python -m benchmarks.gpu --then-off-policy --anchor              # both, and vLLM's own loop
     python -m benchmarks.gpu --model tiny --device cpu --steps 2    # the same code on a CPU
 
 On CUDA a run is the seed_gpu preset on `qwen3-vl-8b-shape` (Qwen3-VL-8B's architecture, random
@@ -18,7 +19,11 @@ a reply or an episode early, so every episode plays all its turns with full-leng
 The --warmup steps (compilation, CUDA-graph captures) are left out of the medians; with
 --off-policy every timed step takes a rollout sampled beside the update before it, and one more
 step after them drains the pipeline. Prints each step's line and a JSON summary (medians; tokens/s
-from the logged token counts), also written to --out.
+from the logged token counts), also written to --out. --then-off-policy times --steps on-policy
+steps, then switches the live run to algorithm.off_policy_steps=1 and times as many again (one
+fill step before them, one drain step after), in one process: both under the same vLLM and the
+same compiled layers ("off_policy" in the summary). --anchor then times vLLM's own 15-turn loop at
+the same shape (`anchor_rollout`: no environment, no workbench code) beside the rollout's median.
 """
 
 from __future__ import annotations
@@ -54,6 +59,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=3, help="timed steps")
     ap.add_argument("--warmup", type=int, default=1, help="steps before them, not timed")
     ap.add_argument("--off-policy", action="store_true", help="algorithm.off_policy_steps=1")
+    ap.add_argument("--then-off-policy", action="store_true", help="--steps on-policy, then "
+                    "--steps with algorithm.off_policy_steps=1 in the same process")
+    ap.add_argument("--anchor", action="store_true", help="then time vLLM's own loop at the "
+                    "same shape (engine vllm, in-process)")
     ap.add_argument("--mazes", type=int, default=8, help="P (trainer.train_batch_size)")
     ap.add_argument("--group", type=int, default=8, help="G (generator.n_samples_per_prompt)")
     ap.add_argument("--turns", type=int, default=15, help="generator.max_turns")
@@ -68,6 +77,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.off_policy and args.warmup < 1:
         ap.error("--off-policy needs --warmup >= 1: the first step samples on-policy")
+    if args.off_policy and args.then_off_policy:
+        ap.error("--then-off-policy already times off-policy steps after the on-policy ones")
     return args
 
 
@@ -81,7 +92,8 @@ def bench_config(args: argparse.Namespace, workdir: Path) -> Any:
     model = args.model
     if args.engine == "vllm" and model in SHAPES:  # vLLM loads from disk
         model = save_random(model, workdir / "model", getattr(torch, dtype), args.device)
-    steps = args.warmup + args.steps + (1 if args.off_policy else 0)
+    steps = args.warmup + args.steps + (1 if args.off_policy else 0) \
+        + (args.steps + 2 if args.then_off_policy else 0)
     overrides = [
         f"model.name={model}", f"model.device={args.device}", f"model.dtype={dtype}",
         f"engine.name={args.engine}", f"trainer.train_batch_size={args.mazes}",
@@ -142,6 +154,60 @@ def time_decode(engine: Any, prompts_P: list[Any], n: int, tokens: int,
             "decode_ms_per_step": 1000 * decode_s * len(prompts_P) * n / drawn}
 
 
+def run_steps(trainer: Any, n: int, log: Any) -> list[dict[str, Any]]:
+    """n more steps of the live run (`rl.train.train_step`), a line each: their rows."""
+    from workbench.rl.train import step_line, train_step
+
+    rows = []
+    for _ in range(n):
+        rows.append(train_step(trainer))
+        log(step_line(rows[-1]) + "  " + "  ".join(
+            f"{k.removeprefix('time/')} {rows[-1][k]:.2f}" for k in PHASES[1:]))
+    return rows
+
+
+def off_policy(config: Any) -> Any:
+    """The run's config with algorithm.off_policy_steps=1 (each step's rollout sampled beside
+    the update before it)."""
+    from dataclasses import replace
+
+    return replace(config, algorithm=replace(config.algorithm, off_policy_steps=1))
+
+
+ANCHOR_USER = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Invalid action. "
+               "This is step 2.<|im_end|>\n<|im_start|>assistant\n")
+"""The fixed next user turn of vLLM's own loop: one image and a line of text."""
+
+
+def anchor_rollout(engine: Any, processor: Any, config: Any, args: argparse.Namespace) -> float:
+    """vLLM's own multi-turn loop at the rollout's shape, with no environment and no workbench
+    code in it (shared/gpu/vllm_8b.py's loop): P x G rows, each from its maze's first prompt
+    (the rollout's own), and each of --turns turns `LLM.generate` over all rows, then every row
+    appends its sampled ids, <|im_end|> and a fixed user turn holding the row's first image
+    again. Seeded per row and turn, full-length replies (ignore_eos, as a random model's are).
+    Returns the loop's seconds."""
+    from vllm import SamplingParams as VParams
+
+    from workbench.policy.vllm_engine import vllm_prompt
+
+    tok, fmt, rows = processor.tokenizer, engine.fmt, args.mazes * args.group
+    close_ids = [fmt.im_end] + tok.encode("\n", add_special_tokens=False)
+    user_ids = tok.encode(ANCHOR_USER, add_special_tokens=False)
+    first = [vllm_prompt(s) for s in first_prompts(processor, config.task, args.mazes)]
+    ids = [list(first[i // args.group]["prompt_token_ids"]) for i in range(rows)]
+    image = [first[i // args.group]["multi_modal_data"]["image"][0] for i in range(rows)]
+    start = time.perf_counter()
+    for k in range(args.turns):
+        prompts = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": [image[i]] * (k + 1)}}
+                   for i in range(rows)]
+        params = [VParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
+                          detokenize=False, seed=1000 * i + k) for i in range(rows)]
+        outs = engine.llm.generate(prompts, params, use_tqdm=False)
+        for i, out in enumerate(outs):
+            ids[i] += list(out.outputs[0].token_ids) + close_ids + user_ids
+    return time.perf_counter() - start
+
+
 def summarize(rows: list[dict[str, Any]], episodes: int) -> dict[str, float]:
     """Medians over the timed steps: each phase's seconds, tokens/s, the sampler/trainer KL, the
     PPO clip fraction and the sampler's own counters (vllm/*)."""
@@ -191,7 +257,7 @@ def machine(args: argparse.Namespace) -> dict[str, Any]:
 
 def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
     """Run the benchmark of `argv` (the command line's arguments) -> its summary."""
-    from workbench.rl.train import run_eval, start, step_line, train_step
+    from workbench.rl.train import run_eval, start
 
     args = parse(argv)
     if args.threads:
@@ -201,20 +267,30 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
     trainer = start(config, log)
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     try:
-        rows = []
-        while trainer.step < config.trainer.total_steps:
-            rows.append(train_step(trainer))
-            log(step_line(rows[-1]) + "  " + "  ".join(
-                f"{k.removeprefix('time/')} {rows[-1][k]:.2f}" for k in PHASES[1:]))
+        rows = run_steps(trainer, args.warmup + args.steps + int(args.off_policy), log)
         timed = rows[args.warmup:args.warmup + args.steps]
         summary: dict[str, Any] = {"machine": machine(args), "config": {
             "model": config.model.name, "engine": args.engine, "backend": args.backend,
-            "off_policy": args.off_policy, "P": args.mazes, "G": args.group,
+            "off_policy": args.off_policy,
+            "then_off_policy": args.then_off_policy, "P": args.mazes, "G": args.group,
             "turns": args.turns, "max_tokens": args.max_tokens, "warmup": args.warmup},
             "steps": len(timed), **summarize(timed, args.mazes * args.group)}
+        if args.then_off_policy:  # the fill step, the timed lagged steps, the drain step
+            trainer.config = off_policy(trainer.config)
+            lagged = run_steps(trainer, args.steps + 2, log)[1:-1]
+            summary["off_policy"] = {"steps": len(lagged),
+                                     **summarize(lagged, args.mazes * args.group)}
         host = getattr(trainer.session, "host", None)  # in-process sessions only
         if host is not None and "update_tokens_per_s" in summary and args.device == "cuda":
             summary |= update_mfu(summary, host.lm.model)
+        if args.anchor:
+            if host is None or args.engine != "vllm":
+                raise SystemExit("--anchor times vLLM's own loop: use --engine vllm "
+                                 "--backend inprocess")
+            anchor_s = [anchor_rollout(host.engine, host.lm.processor, config, args)
+                        for _ in range(2)]
+            summary |= {"anchor_runs_s": anchor_s, "anchor_s": statistics.median(anchor_s),
+                        "rollout_over_anchor": summary["rollout_s"] / statistics.median(anchor_s)}
         if args.eval:
             summary["eval_s"] = run_eval(trainer).seconds
         if args.decode:

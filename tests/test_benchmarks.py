@@ -51,6 +51,20 @@ def test_the_update_mfu_counts_four_flops_a_text_weight_a_token() -> None:
     assert out["update_mfu_bf16_peak"] == pytest.approx(expected / 989.0)
 
 
+def test_then_off_policy_times_both_in_one_run(tmp_path: Path) -> None:
+    """--then-off-policy: the warm-up and timed on-policy steps, then in the same run a fill
+    step, the timed lagged steps and a drain step, each lagged step trained on the rollout
+    sampled during the update before it."""
+    summary = gpu.bench([*SMALL, "--steps", "1", "--then-off-policy", "--workdir",
+                         str(tmp_path)], log=lambda line: None)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert [r["rollout/policy_lag"] for r in rows] == [0, 0, 0, 1, 1]
+    assert summary["steps"] == 1 and summary["off_policy"]["steps"] == 1
+    assert summary["off_policy"]["step_s"] == rows[3]["time/step"]
+    assert summary["step_s"] == rows[1]["time/step"]
+
+
 def test_off_policy_needs_a_warm_up_step(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         gpu.parse([*SMALL, "--off-policy", "--warmup", "0"])
