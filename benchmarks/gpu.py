@@ -5,7 +5,7 @@ time/rollout_wait) and, when asked, one evaluation (time/eval) and the sampler's
     python -m benchmarks.gpu --out runs/bench/gpu.json              # CUDA: vLLM, in-process
     python -m benchmarks.gpu --engine transformers --backend ray    # our engine, on Ray actors
     python -m benchmarks.gpu --off-policy --steps 3                 # algorithm.off_policy_steps=1
-    python -m benchmarks.gpu --then-off-policy --anchor              # both, and vLLM's own loop
+    python -m benchmarks.gpu --then-off-policy --anchor --numerics   # the issue's whole set
     python -m benchmarks.gpu --model tiny --device cpu --steps 2    # the same code on a CPU
 
 On CUDA a run is the seed_gpu preset on `qwen3-vl-8b-shape` (Qwen3-VL-8B's architecture, random
@@ -19,11 +19,14 @@ a reply or an episode early, so every episode plays all its turns with full-leng
 The --warmup steps (compilation, CUDA-graph captures) are left out of the medians; with
 --off-policy every timed step takes a rollout sampled beside the update before it, and one more
 step after them drains the pipeline. Prints each step's line and a JSON summary (medians; tokens/s
-from the logged token counts), also written to --out. --then-off-policy times --steps on-policy
-steps, then switches the live run to algorithm.off_policy_steps=1 and times as many again (one
-fill step before them, one drain step after), in one process: both under the same vLLM and the
-same compiled layers ("off_policy" in the summary). --anchor then times vLLM's own 15-turn loop at
-the same shape (`anchor_rollout`: no environment, no workbench code) beside the rollout's median.
+from the logged token counts), also written to --out after each part. After the on-policy steps,
+in the same process (the same vLLM, the same compiled layers): --anchor times the live run's
+rollout by turns and streamed (`engine.stream_rows`) beside vLLM's own 15-turn loop at the same
+shape (`anchor_rollout`: no environment, no workbench code), in turn ("pace"); --numerics scores
+one rollout with the update's forward and with the forward without grad (the KL to the sampler
+and the clip fraction of FP8 against bf16 under `speed.fp8_base`); --then-off-policy switches the
+live run to algorithm.off_policy_steps=1 and times --steps steps more (one fill step before them,
+one drain step after: "off_policy").
 """
 
 from __future__ import annotations
@@ -62,7 +65,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--then-off-policy", action="store_true", help="--steps on-policy, then "
                     "--steps with algorithm.off_policy_steps=1 in the same process")
     ap.add_argument("--anchor", action="store_true", help="then time vLLM's own loop at the "
-                    "same shape (engine vllm, in-process)")
+                    "same shape beside the live run's rollout streamed and by turns (engine vllm, "
+                    "in-process)")
+    ap.add_argument("--numerics", action="store_true", help="then score one rollout's datums "
+                    "with the update's forward (grad on: FP8 with speed.fp8_base) and without "
+                    "grad (bf16): KL to the sampler and PPO clip fraction of each")
     ap.add_argument("--mazes", type=int, default=8, help="P (trainer.train_batch_size)")
     ap.add_argument("--group", type=int, default=8, help="G (generator.n_samples_per_prompt)")
     ap.add_argument("--turns", type=int, default=15, help="generator.max_turns")
@@ -208,6 +215,56 @@ def anchor_rollout(engine: Any, processor: Any, config: Any, args: argparse.Name
     return time.perf_counter() - start
 
 
+def rollout_pace(trainer: Any, host: Any, config: Any, args: argparse.Namespace,
+                 repeats: int = 2) -> dict[str, Any]:
+    """The live run's rollout (`phases.rollout` of the next step's batch, the run's sampler)
+    by turns (engine.stream_rows=false) and streamed, and vLLM's own loop (`anchor_rollout`),
+    in turn, `repeats` times; medians and the ratios to vLLM's own loop."""
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_batch
+
+    sampler = trainer.training_client.save_weights_and_get_sampling_client()
+    batch = step_batch(config, trainer.step + 1)
+    runs: dict[str, list[float]] = {"by_turns": [], "streamed": [], "anchor": []}
+    for _ in range(repeats):
+        for mode in ("by_turns", "streamed"):  # by turns first: it merges the version once
+            host.engine.stream_rows = mode == "streamed"
+            runs[mode].append(phases.rollout(sampler, batch).seconds)
+        runs["anchor"].append(anchor_rollout(host.engine, host.lm.processor, config, args))
+    host.engine.stream_rows = config.engine.stream_rows
+    out: dict[str, Any] = {f"{k}_runs_s": v for k, v in runs.items()}
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return out | {f"{k}_s": v for k, v in med.items()} | {
+        "streamed_over_anchor": med["streamed"] / med["anchor"],
+        "by_turns_over_anchor": med["by_turns"] / med["anchor"]}
+
+
+def numerics(trainer: Any, config: Any, minibatch: int) -> dict[str, Any]:
+    """One fresh rollout's datums scored twice against the sampler's log-probs: by the update's
+    own forward (grad on: the compiled layers, FP8 with speed.fp8_base) and by the forward
+    without grad (bf16, eager). Token-weighted KL (k3) and PPO clip fraction of each, in chunks
+    of `minibatch` datums. Its gradients are left accumulated (the caller drops them)."""
+    from dataclasses import replace
+
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_batch, step_update
+
+    client, step = trainer.training_client, trainer.step + 1
+    ro = phases.rollout(client.save_weights_and_get_sampling_client(), step_batch(config, step))
+    adv = phases.advantages(phases.score(ro).rewards_P_G, config.algorithm.advantage,
+                            ro.episodes_P_G)
+    datums = phases.make_datums(ro, adv)
+    loss = replace(step_update(config, step).loss, tis_cap=0.0)  # PPO's ratio to the sampler
+    out: dict[str, Any] = {}
+    for name, call in (("with_grad", client.forward_backward), ("no_grad_bf16", client.forward)):
+        metrics = [call(datums[i:i + minibatch], "ppo", loss).result().metrics
+                   for i in range(0, len(datums), minibatch)]
+        tokens = sum(m["tokens"] for m in metrics)
+        out[name] = {k: sum(m[k] * m["tokens"] for m in metrics) / tokens
+                     for k in ("kl_sampler_trainer", "clip_fraction")} | {"tokens": tokens}
+    return out
+
+
 def summarize(rows: list[dict[str, Any]], episodes: int) -> dict[str, float]:
     """Medians over the timed steps: each phase's seconds, tokens/s, the sampler/trainer KL, the
     PPO clip fraction and the sampler's own counters (vllm/*)."""
@@ -275,22 +332,30 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
             "then_off_policy": args.then_off_policy, "P": args.mazes, "G": args.group,
             "turns": args.turns, "max_tokens": args.max_tokens, "warmup": args.warmup},
             "steps": len(timed), **summarize(timed, args.mazes * args.group)}
+        host = getattr(trainer.session, "host", None)  # in-process sessions only
+        if host is not None and "update_tokens_per_s" in summary and args.device == "cuda":
+            summary |= update_mfu(summary, host.lm.model)
+        save(summary, args.out)
+        if args.anchor:
+            if host is None or args.engine != "vllm":
+                raise SystemExit("--anchor times vLLM's own loop: use --engine vllm "
+                                 "--backend inprocess")
+            summary["pace"] = rollout_pace(trainer, host, config, args)
+            summary["rollout_over_anchor"] = summary["rollout_s"] / summary["pace"]["anchor_s"]
+            log(f"pace: {json.dumps(summary['pace'])}")
+            save(summary, args.out)
+        if args.numerics:
+            summary["numerics"] = numerics(trainer, config, config.algorithm.minibatch)
+            if host is not None:
+                host.optimizer.zero_grad(set_to_none=True)  # the timed steps go on without them
+            log(f"numerics: {json.dumps(summary['numerics'])}")
+            save(summary, args.out)
         if args.then_off_policy:  # the fill step, the timed lagged steps, the drain step
             trainer.config = off_policy(trainer.config)
             lagged = run_steps(trainer, args.steps + 2, log)[1:-1]
             summary["off_policy"] = {"steps": len(lagged),
                                      **summarize(lagged, args.mazes * args.group)}
-        host = getattr(trainer.session, "host", None)  # in-process sessions only
-        if host is not None and "update_tokens_per_s" in summary and args.device == "cuda":
-            summary |= update_mfu(summary, host.lm.model)
-        if args.anchor:
-            if host is None or args.engine != "vllm":
-                raise SystemExit("--anchor times vLLM's own loop: use --engine vllm "
-                                 "--backend inprocess")
-            anchor_s = [anchor_rollout(host.engine, host.lm.processor, config, args)
-                        for _ in range(2)]
-            summary |= {"anchor_runs_s": anchor_s, "anchor_s": statistics.median(anchor_s),
-                        "rollout_over_anchor": summary["rollout_s"] / statistics.median(anchor_s)}
+            save(summary, args.out)
         if args.eval:
             summary["eval_s"] = run_eval(trainer).seconds
         if args.decode:
@@ -305,10 +370,15 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
     summary["peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if args.device == "cuda":
         summary["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9  # this process's
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+    save(summary, args.out)
     return summary
+
+
+def save(summary: dict[str, Any], out: str) -> None:
+    """The summary so far to `out` (if given): a run stopped part way keeps what it measured."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

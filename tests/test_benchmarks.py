@@ -16,7 +16,8 @@ SMALL = ["--model", "tiny", "--device", "cpu", "--mazes", "2", "--group", "2", "
 
 def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> None:
     lines: list[str] = []
-    summary = gpu.bench([*SMALL, "--steps", "1", "--eval", "--decode", "3", "--workdir",
+    summary = gpu.bench([*SMALL, "--steps", "1", "--eval", "--decode", "3", "--numerics",
+                         "--workdir",
                          str(tmp_path), "--out", str(tmp_path / "summary.json"),
                          "eval.n_mazes=2", "eval.sampled_passes=0"], log=lines.append)
     assert summary["steps"] == 1 and summary["config"]["engine"] == "transformers"
@@ -30,6 +31,12 @@ def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> Non
     assert all(r["update/datums"] == 4 for r in rows)  # parity: every episode trained
     assert (tmp_path / "summary.json").is_file()
     assert 0 <= summary["clip_fraction"] <= 1
+    # --numerics: the update's forward and the forward without grad score the same float32
+    # tokens on the CPU (no FP8 there), each as close to our sampler's log-probs as it is
+    grad, no_grad = summary["numerics"]["with_grad"], summary["numerics"]["no_grad_bf16"]
+    assert grad["tokens"] == no_grad["tokens"] > 0
+    assert grad["kl_sampler_trainer"] == pytest.approx(no_grad["kl_sampler_trainer"], abs=1e-9)
+    assert abs(grad["kl_sampler_trainer"]) < 1e-6 and grad["clip_fraction"] == 0.0
 
 
 def test_the_update_mfu_counts_four_flops_a_text_weight_a_token() -> None:

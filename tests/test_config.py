@@ -282,6 +282,7 @@ SKYRL_KEYS = {  # SkyRL's spelling=value -> the key it sets here and the value i
     "trainer.update_epochs_per_batch=2": ("algorithm.update_epochs", 2),
     "trainer.gradient_checkpointing=true": ("speed.gradient_checkpointing", True),
     "trainer.fp8_base=true": ("speed.fp8_base", True),
+    "trainer.algorithm.tis_imp_ratio_cap=2.0": ("algorithm.tis_cap", 2.0),
     # the keys the seed quotes are this config's own
     "generator.n_samples_per_prompt=8": ("generator.n_samples_per_prompt", 8),
     "generator.max_turns=15": ("generator.max_turns", 15),
@@ -361,3 +362,17 @@ def test_notebook_config_switches_the_recipe_by_its_parameters() -> None:
     choices = r"unknown preset 'seed'; choose one of \['seed_gpu', 'tiny'\]"
     with pytest.raises(ConfigError, match=choices):
         notebook_config(sizes, preset_name="seed")
+
+
+def test_truncated_importance_sampling_needs_a_cap_of_one_or_more_and_one_optimiser_step(
+        ) -> None:
+    """algorithm.tis_cap: 0 is off, a cap below 1 would down-weight every token, and the
+    trainer's own log-probs come from the update's one forward, so more optimiser steps per
+    rollout are refused, each in one line naming the keys."""
+    assert apply_overrides(RunConfig(), ["algorithm.tis_cap=2"]).algorithm.tis_cap == 2.0
+    with pytest.raises(ConfigError, match=r"algorithm.tis_cap must be 0 \(off\) or >= 1, got 0.5"):
+        apply_overrides(RunConfig(), ["algorithm.tis_cap=0.5"])
+    for extra in ("algorithm.mini_batches=2", "algorithm.update_epochs=2"):
+        with pytest.raises(ConfigError, match="set algorithm.mini_batches=1 and "
+                                              "algorithm.update_epochs=1"):
+            apply_overrides(RunConfig(), ["algorithm.tis_cap=2", extra])

@@ -16,9 +16,10 @@ from workbench.policy import append_user, chat_format, encode_image, start_strea
 from workbench.policy.forward import token_logprobs
 from workbench.session.fp8 import (
     E4M3_MAX,
-    Fp8Matmul,
+    Fp8Linear,
     drop_fp8_base,
     fp8_linear,
+    fp8_mm,
     fp8_unsupported,
     frozen_linears,
     quantize_rows,
@@ -51,7 +52,7 @@ def test_quantize_rows_keeps_each_row_within_e4m3s_rounding() -> None:
 
 
 def test_fp8_matmul_is_the_dequantized_product_forward_and_backward() -> None:
-    """Fp8Matmul's output is the product of the dequantised input and weight (bf16 rounding),
+    """fp8_mm's output is the product of the dequantised input and weight (bf16 rounding),
     its input gradient the dequantised (gradient x weight scales) times the FP8 weight; both
     within e4m3's error of the exact bf16 product; the frozen weight gets no gradient."""
     gen = torch.Generator().manual_seed(1)
@@ -59,7 +60,7 @@ def test_fp8_matmul_is_the_dequantized_product_forward_and_backward() -> None:
     w = (torch.randn(32, 64, generator=gen) / 8).to(torch.bfloat16)
     g = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
     weight = quantize_weight(w)
-    y = Fp8Matmul.apply(x, weight.w_NK, weight.scale_1N)
+    y = fp8_mm(x, weight)
     (y * g).sum().backward()
     x_q, x_scale = quantize_rows(x.detach())
     w_deq = _dequantized(weight.w_NK, weight.scale_1N.reshape(-1, 1))
@@ -133,6 +134,7 @@ def test_fp8_base_keeps_the_policys_log_probs_and_lora_gradients(bf16_lora) -> N
     try:
         assert use_fp8_base(model) == 7 * len(layers) == len(frozen_linears(model))
         assert use_fp8_base(model) == 7 * len(layers)  # idempotent: nothing quantised twice
+        assert not any("fp8" in key for key in model.state_dict())  # saves see bf16 only
         fp8_logp, fp8_grad = run(True)
         fp8_nograd, _ = run(False)
     finally:
@@ -143,7 +145,7 @@ def test_fp8_base_keeps_the_policys_log_probs_and_lora_gradients(bf16_lora) -> N
     assert 0 < float(gap.median()) < 0.02 and float(gap.max()) < 0.1
     assert float(torch.nn.functional.cosine_similarity(fp8_grad, bf16_grad, dim=0)) > 0.98
     assert torch.equal(fp8_nograd[finite], bf16_nograd[finite])
-    assert all(getattr(m, "fp8_weight", None) is None and "forward" not in vars(m)
+    assert all(type(m) is torch.nn.Linear and not list(m.buffers())
                for m in frozen_linears(model))
     assert torch.equal(run(True)[0][finite], bf16_logp[finite])
 
@@ -165,14 +167,56 @@ def test_fp8_base_on_a_cpu_falls_back_saying_why(bf16_lora) -> None:
     assert lines == ["speed.fp8_base fell back to the slower path: FP8 GEMMs need a CUDA GPU "
                      "(the model is on cpu)"]
     assert not host.fp8_base and speed_metrics(host)["speed/fp8_base"] == 0.0
-    assert not any(hasattr(m, "fp8_weight") for m in frozen_linears(host.lm.model))
+    assert not any(isinstance(m, Fp8Linear) for m in frozen_linears(host.lm.model))
+
+
+def test_compiled_layers_trace_the_fp8_path_as_one_graph(bf16_lora,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """With speed.compile_layers the FP8 layers go through torch.compile: dynamo traces every
+    decoder layer, its seven FP8 GEMMs included (custom ops beside traced quantisations), into
+    one graph with no break, and its log-probs and LoRA gradients are the eager FP8 path's. The
+    graph runs through AOTAutograd without inductor here (`aot_eager`: the CPU has no FP8
+    kernels to generate); on CUDA inductor compiles it (the test below)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from workbench.session.gpu import compile_for_training
+
+    lm, _, streams = bf16_lora
+    model = add_lora(build_random("qwen3-vl-small-shape", dtype=torch.bfloat16,
+                                  device="cpu").model, LoraSettings(rank=8, alpha=16))
+    fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        logp, _ = token_logprobs(model, streams, 1.0, fmt.banned, pad)
+        flat = torch.cat([lp[1:].float() for lp in logp])
+        flat.sum().backward()
+        return flat.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters()
+                                         if p.requires_grad])
+
+    use_fp8_base(model)
+    eager = run()
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
+    torch._dynamo.reset()
+    counters.clear()
+    compile_for_training(model)
+    compiled = run()
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    finite = eager[0].isfinite()
+    assert torch.equal(compiled[0][finite], eager[0][finite])
+    rel = float((compiled[1] - eager[1]).norm() / eager[1].norm())
+    print(f"compiled vs eager LoRA gradients: relative difference {rel:.2g}")
+    assert rel < 1e-4  # AOTAutograd's decomposed backward sums in another order
 
 
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU with FP8 tensor cores (8.9+)")
 def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
     """On the GPU: the compiled quantisation and a compiled layer give the eager FP8 path's
-    log-probs and LoRA gradients (compilation reorders float sums: 1e-2), and both stay near
-    bf16's as on the CPU."""
+    log-probs and LoRA gradients within FP8's own error (inductor's fused quantisation can round
+    an element to the neighbouring e4m3 value: on the CPU's inductor, 0.043 at most), and both
+    stay near bf16's as on the CPU."""
     from workbench.session.gpu import compile_for_training
 
     lm = build_random("qwen3-vl-small-shape", dtype=torch.bfloat16, device="cuda")
@@ -205,7 +249,10 @@ def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
     eager = run()
     compile_for_training(model)
     compiled = run()
-    assert float((compiled[0] - eager[0]).abs().max()) < 1e-2
-    assert float(torch.nn.functional.cosine_similarity(compiled[1], eager[1], dim=0)) > 0.999
+    gap = (compiled[0] - eager[0]).abs()
+    print(f"compiled vs eager FP8 log-probs: max {float(gap.max()):.3g}, median "
+          f"{float(gap.median()):.3g}")
+    assert float(gap.max()) < 0.1 and float(gap.median()) < 0.01
+    assert float(torch.nn.functional.cosine_similarity(compiled[1], eager[1], dim=0)) > 0.99
     assert float((eager[0] - bf16[0]).abs().median()) < 0.02
     assert float(torch.nn.functional.cosine_similarity(eager[1], bf16[1], dim=0)) > 0.98

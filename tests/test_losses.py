@@ -16,6 +16,7 @@ from workbench.session.losses import (
     importance_sampling,
     loss_metrics,
     ppo,
+    truncated_is,
 )
 
 # One datum of three tokens; the third is an observation token (weight 0).
@@ -253,3 +254,32 @@ def test_metrics_kl_positive_both_directions_and_clip_counts() -> None:
 def test_metrics_of_no_weighted_tokens_are_zero() -> None:
     m = loss_metrics([_t([-1.0])], [_t([-2.0])], [_t([0.0])], [_t([1.0])], CFG)
     assert m == {"kl_sampler_trainer": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}
+
+
+# ------------------------------------------------------------ truncated importance sampling
+
+
+def test_truncated_is_takes_the_ratio_against_the_trainer_and_caps_the_weight() -> None:
+    """truncated_is: the ratio's base is the trainer's own log-probs (PPO's ratio is 1, nothing
+    clips), and each token's weight is min(exp(trainer - sampler), cap): here e^0.2, 1 and the
+    cap 2 for e^1 (the observation token keeps weight 0). The PPO loss's gradient is then
+    -(weight * A) per token."""
+    logp = _t([-1.0, -0.5, 0.0, -2.0], grad=True)
+    sampler, adv, w = _t([-1.2, -0.5, -1.0, -1.0]), _t([1.0, -1.0, 1.0, 1.0]), _t([1, 1, 1, 0.0])
+    [base], [weight] = truncated_is([logp], [sampler], [w], 2.0)
+    assert torch.equal(base, logp.detach()) and not base.requires_grad
+    assert weight.tolist() == pytest.approx([math.exp(0.2), 1.0, 2.0, 0.0], abs=1e-12)
+    ppo(logp, base, adv, weight, CFG).sum().backward()
+    assert logp.grad.tolist() == pytest.approx([-math.exp(0.2), 1.0, -2.0, 0.0], abs=1e-12)
+
+
+def test_truncated_is_metrics_count_the_capped_tokens_and_no_clipping() -> None:
+    """With cfg.tis_cap the clip fraction is that of the loss's own ratio (1: none), the KL is
+    still the sampler's, and tis_truncated_fraction counts the weighted tokens past the cap."""
+    cfg = LossConfig(tis_cap=1.1)  # r = e^0.2 (capped), 1, e^-1
+    m = loss_metrics([_t(LOGP)], [_t(SAMPLER)], [_t([1.0, 1.0, 1.0])], [_t([0.0] * 3)], cfg)
+    plain = loss_metrics([_t(LOGP)], [_t(SAMPLER)], [_t([1.0, 1.0, 1.0])], [_t([0.0] * 3)], CFG)
+    assert m["tis_truncated_fraction"] == pytest.approx(1 / 3)
+    assert m["clip_fraction"] == 0.0 < plain["clip_fraction"]
+    assert m["kl_sampler_trainer"] == plain["kl_sampler_trainer"] > 0
+    assert "tis_truncated_fraction" not in plain

@@ -8,6 +8,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -522,3 +523,31 @@ def test_a_name_saves_under_the_workdir_and_a_folder_where_it_says(make_session,
         tc.export("v1", "lora")
     with pytest.raises(ValueError, match="a name or a folder"):
         tc.save_state("")
+
+
+
+def test_truncated_is_weights_the_policy_gradient_by_the_capped_sampler_ratio(
+        make_session) -> None:
+    """LossConfig.tis_cap through a session. With the sampler's own log-probs every weight is 1
+    and PPO with TIS takes PPO's step. With the sampler's log-probs lowered by 0.5 on every
+    reply token (a sampler whose numerics differ), plain PPO's ratio e^0.5 is clipped on every
+    token, while TIS weighs each token by min(e^0.5, 1.5) = 1.5 and keeps PPO's on-policy
+    gradient: its squared norms are 1.5^2 times those of the first case."""
+    session = make_session()
+    tc = session.training_client
+    episodes = tc.save_weights_and_get_sampling_client().play(
+        play_episodes, SMALL, eval_set(5, 2), 2, PARAMS, seed=0).result()
+    datums = _rl_datums(episodes)
+    lowered = [replace(d, stream=replace(d.stream, logprobs_T=[
+        lp - 0.5 * m for lp, m in zip(d.stream.logprobs_T, d.stream.loss_mask_T)]))
+        for d in datums]
+    ppo, tis = LossConfig(), LossConfig(tis_cap=1.5)
+    exact = tc.grad_squares(datums, "ppo", ppo).result()
+    assert tc.grad_squares(datums, "ppo", tis).result() == pytest.approx(exact, rel=1e-5)
+    weighted = tc.grad_squares(lowered, "ppo", tis).result()
+    assert weighted == pytest.approx({k: 1.5**2 * v for k, v in exact.items()}, rel=1e-4)
+    clipped = tc.forward(lowered, "ppo", ppo).result().metrics
+    metrics = tc.forward(lowered, "ppo", tis).result().metrics
+    assert clipped["clip_fraction"] == 1.0 and "tis_truncated_fraction" not in clipped
+    assert (metrics["clip_fraction"], metrics["tis_truncated_fraction"]) == (0.0, 1.0)
+    assert metrics["kl_sampler_trainer"] == pytest.approx(clipped["kl_sampler_trainer"])

@@ -55,6 +55,7 @@ from workbench.policy.vllm_engine import (
     max_lora_rank,
     prompt_token_ids,
     to_completion,
+    turn_seed,
     vllm_prompt,
 )
 from workbench.rl import phases
@@ -85,6 +86,8 @@ class FakeRequestOutput:
 
     prompt_token_ids: list[int]
     outputs: list[FakeOutput]
+    request_id: str = ""
+    finished: bool = True
 
 
 @dataclass
@@ -102,28 +105,69 @@ class FakeVLLM:
     loaded: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)  # merged pushes
     payloads: list[type] = field(default_factory=list)  # bytes (shared) or list (in-process)
     resets: int = 0  # reset_prefix_cache() calls
+    enqueued: list[dict[str, Any]] = field(default_factory=list)  # LLM.enqueue's requests
+    queue: list[str] = field(default_factory=list)  # ids of enqueued requests not yet finished
+    events: list[tuple[str, str]] = field(default_factory=list)  # ("sent" | "done", request id)
+    aborted: list[str] = field(default_factory=list)  # llm_engine.abort_request's ids
     shutdowns: int = 0  # llm_engine.engine_core.shutdown() calls
     encoder_resets: int = 0  # llm_engine.reset_encoder_cache() calls
 
     def logprob(self, call: int, position: int) -> float:
         return -0.125 * (call + 1) - 0.01 * position
 
+    def answer(self, prompt: dict, call: int) -> FakeRequestOutput:
+        """The output for one prompt: its image pads expanded, reply_ids(call) with their
+        log-probs."""
+        reply = self.reply_ids(call)
+        images = iter(prompt.get("multi_modal_data", {}).get("image", []))
+        expanded = [t for tok in prompt["prompt_token_ids"]
+                    for t in ([tok] * self.image_tokens(next(images))
+                              if tok == self.image_pad else [tok])]
+        self.count_cache(expanded)
+        lps = [{tok: types.SimpleNamespace(logprob=self.logprob(call, k))}
+               for k, tok in enumerate(reply)]
+        return FakeRequestOutput(expanded, [FakeOutput(list(reply), lps)])
+
     def generate(self, prompts: list[dict], params: list[Any], lora_request: Any = None,
                  use_tqdm: bool = True) -> list[FakeRequestOutput]:
         call = len(self.calls)
         self.calls.append(dict(prompts=prompts, params=params, lora=lora_request))
-        reply = self.reply_ids(call)
+        return [self.answer(prompt, call) for prompt in prompts]
+
+    def enqueue(self, prompts: list[dict], params: list[Any], lora_request: Any = None,
+                use_tqdm: bool = True) -> list[str]:
+        """LLM.enqueue: queued, answered by later llm_engine.step() calls. A request's reply is
+        reply_ids(turn), its turn counted by its images (a maze turn adds one), so a streamed
+        rollout gets the replies a rollout of one generate per turn gets. Like vLLM 0.26 it
+        returns each request's number with '-' and 8 random characters, which the outputs
+        leave out."""
+        assert use_tqdm is False, "a progress bar for every queued request"
+        ids = []
+        for prompt, param in zip(prompts, params, strict=True):
+            request = str(len(self.enqueued))
+            turn = len(prompt["multi_modal_data"]["image"]) - 1
+            self.enqueued.append(dict(id=request, prompt=prompt, params=param,
+                                      lora=lora_request, turn=turn))
+            self.queue.append(request)
+            self.events.append(("sent", request))
+            ids.append(f"{request}-{np.random.default_rng().integers(16**8):08x}")
+        return ids
+
+    def step(self) -> list[FakeRequestOutput]:
+        """llm_engine.step(): the two requests queued last are finished, newest first (vLLM
+        finishes requests in any order)."""
+        done = [self.queue.pop() for _ in range(min(2, len(self.queue)))]
         outputs = []
-        for prompt in prompts:
-            images = iter(prompt.get("multi_modal_data", {}).get("image", []))
-            expanded = [t for tok in prompt["prompt_token_ids"]
-                        for t in ([tok] * self.image_tokens(next(images))
-                                  if tok == self.image_pad else [tok])]
-            self.count_cache(expanded)
-            lps = [{tok: types.SimpleNamespace(logprob=self.logprob(call, k))}
-                   for k, tok in enumerate(reply)]
-            outputs.append(FakeRequestOutput(expanded, [FakeOutput(list(reply), lps)]))
+        for request in done:
+            sent = self.enqueued[int(request)]
+            out = self.answer(sent["prompt"], sent["turn"])
+            outputs.append(replace(out, request_id=request))
+            self.events.append(("done", request))
         return outputs
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.aborted += request_ids
+        self.queue = [r for r in self.queue if r not in request_ids]
 
 
     def count_cache(self, prompt: list[int]) -> None:
@@ -167,7 +211,8 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
         def __init__(self, **kwargs: Any) -> None:
             state.llm_kwargs.append(kwargs)
             self.llm_engine = types.SimpleNamespace(
-                reset_encoder_cache=self._encoder_reset,
+                reset_encoder_cache=self._encoder_reset, step=state.step,
+                abort_request=state.abort,
                 engine_core=types.SimpleNamespace(shutdown=self._shutdown))
 
         def _encoder_reset(self) -> None:
@@ -178,6 +223,9 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
 
         def generate(self, *args: Any, **kwargs: Any) -> list[FakeRequestOutput]:
             return state.generate(*args, **kwargs)
+
+        def enqueue(self, *args: Any, **kwargs: Any) -> list[str]:
+            return state.enqueue(*args, **kwargs)
 
         def get_metrics(self) -> list[Any]:
             return state.metrics()
@@ -213,12 +261,18 @@ def fake_vllm(tiny, monkeypatch: pytest.MonkeyPatch) -> FakeVLLM:
     return state
 
 
+def _vllm_session(tiny_dir: Path, workdir: Path, **settings: Any) -> Session:
+    """An in-process session whose sampler engine is the vLLM engine (over the fake)."""
+    return create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(workdir),
+                                      dtype="bfloat16",  # vLLM's LoRA kernels: bf16 / fp16
+                                      engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                                            **settings)))
+
+
 @pytest.fixture
 def vllm_session(fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path) -> Iterator[Session]:
-    """An in-process session whose sampler engine is the vLLM engine (over the fake)."""
-    session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "s"),
-                                         dtype="bfloat16",  # vLLM's LoRA kernels: bf16 / fp16
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3)))
+    """An in-process session over the fake vLLM, with the default settings."""
+    session = _vllm_session(tiny_dir, tmp_path / "s")
     yield session
     session.close()
 
@@ -642,13 +696,23 @@ def test_completion_without_stop_is_length() -> None:
 # ------------------------------------------------------------------ a rollout end to end
 
 
-def test_rollout_runs_the_multi_turn_loop_on_the_engine(vllm_session: Session,
-                                                        fake_vllm: FakeVLLM, tiny) -> None:
+def _vllm_rollout(tiny_dir: Path, workdir: Path, seed: int = 0,
+                  **settings: Any) -> list[list[Any]]:
+    """2 mazes x 2 episodes of SMALL through a fresh vLLM session (over the fake)."""
+    session = _vllm_session(tiny_dir, workdir, **settings)
+    try:
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        return sampler.play(play_episodes, SMALL, eval_set(5, 2), 2, SamplingParams(max_tokens=3),
+                            seed).result()
+    finally:
+        session.close()
+
+
+def test_rollout_runs_the_multi_turn_loop_on_the_engine(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                        tmp_path: Path, tiny) -> None:
+    """engine.stream_rows=false: one generate a turn over every live row."""
     fmt = chat_format(tiny.processor)
-    sampler = vllm_session.training_client.save_weights_and_get_sampling_client()
-    states = eval_set(5, 2)
-    episodes_P_G = sampler.play(play_episodes, SMALL, states, 2, SamplingParams(max_tokens=3),
-                                0).result()
+    episodes_P_G = _vllm_rollout(tiny_dir, tmp_path / "s", stream_rows=False)
     assert [len(g) for g in episodes_P_G] == [2, 2]
     assert len(fake_vllm.calls) == len(SCRIPT)  # one generate per turn, all rows batched
     for call in fake_vllm.calls:
@@ -677,6 +741,58 @@ def test_rollout_runs_the_multi_turn_loop_on_the_engine(vllm_session: Session,
     ro = phases.RolloutRecord(episodes_P_G, SamplingParams(max_tokens=3), 0, 0.0)
     adv = phases.AdvantageRecord(np.ones((2, 2)), 0, "grpo")
     assert phases.token_mismatches(ro, adv, phases.make_datums(ro, adv)) == 0
+
+
+def test_a_streamed_rollout_is_the_rollout_by_turns(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                     tmp_path: Path, tiny) -> None:
+    """engine.stream_rows (the default): every row's first turn is queued, and each row's next
+    turn is queued as soon as its reply is back, here before other rows' first replies are
+    back (the fake finishes the newest requests first). The episodes are the ones a rollout of
+    one generate a turn gets: the same replies, streams, log-probs and moves, each request the
+    row's stream so far; row b's turn t is seeded turn_seed(base, b, t), base the rollout's one
+    draw, so the seeds do not depend on the order rows come back in."""
+    fmt = chat_format(tiny.processor)
+    by_turns = [ep for group in _vllm_rollout(tiny_dir, tmp_path / "a", 7, stream_rows=False)
+                for ep in group]
+    generated = len(fake_vllm.calls)
+    streamed = [ep for group in _vllm_rollout(tiny_dir, tmp_path / "b", 7) for ep in group]
+    assert len(fake_vllm.calls) == generated  # streamed: no generate, every request enqueued
+    assert len(fake_vllm.enqueued) == len(streamed) * len(SCRIPT)
+    for a, b in zip(by_turns, streamed, strict=True):
+        assert (a.replies, a.positions, a.reward, a.sampled_tokens) == \
+            (b.replies, b.positions, b.reward, b.sampled_tokens)
+        assert (a.stream.tokens_T, a.stream.loss_mask_T, a.stream.logprobs_T) == \
+            (b.stream.tokens_T, b.stream.loss_mask_T, b.stream.logprobs_T)
+    order = {event: k for k, event in enumerate(fake_vllm.events)}
+    first_turn = [r["id"] for r in fake_vllm.enqueued if r["turn"] == 0]
+    second_turn = [r["id"] for r in fake_vllm.enqueued if r["turn"] == 1]
+    assert min(order[("sent", r)] for r in second_turn) < \
+        max(order[("done", r)] for r in first_turn)  # no turn waits for the whole batch
+    base = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(7)))
+    seeds = {turn_seed(base, row, turn): (row, turn)
+             for row in range(len(streamed)) for turn in range(len(SCRIPT))}
+    assert len(seeds) == len(fake_vllm.enqueued)  # one seed a row and turn, all different
+    for request in fake_vllm.enqueued:
+        row, turn = seeds[request["params"].seed]
+        assert turn == request["turn"] and request["lora"].lora_name == "v0"
+        stream = streamed[row].stream
+        ids = expand_image_pads(request["prompt"]["prompt_token_ids"],
+                                stream.images[:turn + 1], fmt)
+        assert stream.tokens_T[:len(ids)] == ids  # the row's stream up to its turn-t reply
+        assert stream.loss_mask_T[len(ids)] == 1 and stream.loss_mask_T[len(ids) - 1] == 0
+
+
+def test_a_failed_streamed_rollout_leaves_no_request_in_vllm(fake_vllm: FakeVLLM,
+                                                             tiny_dir: Path,
+                                                             tmp_path: Path) -> None:
+    """A streamed rollout that fails (here vLLM counts one image token more than the stream
+    holds) raises, and the rows still queued are aborted: the engine's next call does not get
+    their outputs."""
+    count = fake_vllm.image_tokens
+    fake_vllm.image_tokens = lambda pil: count(pil) + 1
+    with pytest.raises(RuntimeError, match="image processor counted different image tokens"):
+        _vllm_rollout(tiny_dir, tmp_path / "f")
+    assert len(fake_vllm.aborted) == 3 and fake_vllm.queue == []  # 4 rows, 1 failed
 
 
 def test_prefix_cache_hits_are_reported_per_step(vllm_session: Session, fake_vllm: FakeVLLM

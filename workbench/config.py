@@ -216,6 +216,15 @@ class AlgorithmConfig:
     up to P groups that all carry signal. 0 = off: such groups cost their rollout and are left
     out of the update. Refill mazes and seeds are functions of the step and round
     (`rl.schedule.refill_mazes`), so a resumed run repeats them."""
+    tis_cap: float = 0.0
+    """Truncated importance sampling, for a sampler whose numerics differ from the trainer's
+    (vLLM in bf16 beside speed.fp8_base): 0 = off; C >= 1 = the loss's ratio is taken against
+    the trainer's own log-probs of the sampled tokens instead of the sampler's, and each token
+    is weighted by min(trainer / sampler probability, C), no gradient through the weight
+    (SkyRL: trainer.algorithm.tis_imp_ratio_cap). The mismatch then neither trips PPO's clip
+    nor moves the gradient by more than C. The trainer's log-probs come from the update's own
+    forward, so it needs one optimiser step per rollout (mini_batches=1, update_epochs=1); with
+    off_policy_steps=1 the weight also carries the one step the weights moved since sampling."""
     off_policy_steps: int = 0
     """0: each step samples from the weights it then updates (on-policy). 1: the next step's
     rollout is sampled from the same weights as this step's, while this step's update runs
@@ -365,6 +374,7 @@ ALIASES = {
     "trainer.update_epochs_per_batch": "algorithm.update_epochs",
     "trainer.gradient_checkpointing": "speed.gradient_checkpointing",
     "trainer.fp8_base": "speed.fp8_base",
+    "trainer.algorithm.tis_imp_ratio_cap": "algorithm.tis_cap",
 }
 """SkyRL's keys that live in another section here, accepted verbatim; the keys the seed quotes
 under their SkyRL names (generator.n_samples_per_prompt, generator.max_turns,
@@ -423,6 +433,13 @@ def validate(config: RunConfig) -> None:
     if (lag := values["algorithm.off_policy_steps"]) > 1:
         raise ConfigError("algorithm.off_policy_steps must be 0 (on-policy) or 1 (the next "
                           f"rollout overlaps this update), got {lag}")
+    if (cap := values["algorithm.tis_cap"]) and cap < 1:
+        raise ConfigError(f"algorithm.tis_cap must be 0 (off) or >= 1, got {cap}")
+    if cap and (values["algorithm.mini_batches"], values["algorithm.update_epochs"]) != (1, 1):
+        raise ConfigError("algorithm.tis_cap takes the trainer's log-probs of the sampled "
+                          "tokens from the update's own forward, so the update must be one "
+                          "optimiser step: set algorithm.mini_batches=1 and "
+                          "algorithm.update_epochs=1")
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
     _validate_cluster(config)

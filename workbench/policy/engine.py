@@ -8,6 +8,17 @@ a batch of live rows, and nothing else:
     rows.advance(keep, streams_B)               # keep rows `keep` (by position); streams_B are
                                                 # their grown streams (reply + next observation)
 
+A multi-turn rollout hands the engine its per-row step instead, and the engine decides when each
+row samples (`Engine.play_rows`):
+
+    engine.play_rows(prompts_P, n, params, generator, step_row)
+    # step_row(b, completion) -> row b's next prompt, or None once its episode is over
+
+`play_lockstep` is the one way every engine can do it: all live rows sample one reply per turn
+together. The vLLM engine instead sends each row's next turn as soon as that row is back
+(`engine.stream_rows`), so no row waits for the batch's slowest one and the environment steps
+while vLLM samples the other rows.
+
 Two engines stand behind it, picked by `engine.name` (`policy.engines.make_engine`):
 - `transformers` (default, CPU and GPU): our KV-cached batched sampler (`policy.sampler`) over the
   host's model; a weights version is copied into that model by the session, so the version hooks
@@ -23,6 +34,7 @@ calls on a lane of their own, beside the trainer's (`session.inprocess.Session`)
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -60,6 +72,11 @@ class EngineSettings:
     for one request alone would take 36 GiB). Above the model's own limit: an error."""
     seed: int = 0
     """vLLM's engine seed (each request also gets a seed from the rollout's generator)."""
+    stream_rows: bool = True
+    """vllm only: each episode's next turn goes to vLLM as soon as its reply is back and its
+    environment has stepped, while vLLM samples the other rows (no wait for the whole batch
+    each turn); false: one LLM.generate per turn over every live row. Sampling seeds are drawn
+    per row and turn, so a rollout does not depend on the order replies come back in."""
     vllm_lora: str = "adapter"
     """How the vllm engine samples a LoRA weights version: adapter (a PEFT folder per version,
     vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
@@ -81,14 +98,27 @@ class Rows(Protocol):
         ...
 
 
+StepRow = Callable[[int, Completion], "Stream | None"]
+"""A rollout's step of one row: row b's reply in, the row's next prompt out (its stream grown by
+the reply and the next observation), or None once the row's episode is over."""
+
+
 class Engine(Protocol):
-    """A sampler engine: opens batches of rows; follows the session's weight versions."""
+    """A sampler engine: opens batches of rows, plays multi-turn rows; follows the session's
+    weight versions."""
 
     name: str
     samples_own_weights: bool  # samples from its own copy of each version, never the model's
 
     def open(self, prompts_P: list[Stream], n: int) -> Rows:
         """Rows for P prompts, each repeated n times (row p * n + g is sample g of prompt p)."""
+        ...
+
+    def play_rows(self, prompts_P: list[Stream], n: int, params: SamplingParams,
+                  generator: torch.Generator | None, step_row: StepRow) -> None:
+        """Sample every row of `open(prompts_P, n)` turn after turn, handing each reply to
+        `step_row` and sampling the prompt it returns next, until it returns None for every
+        row."""
         ...
 
     def add_version(self, version: int, model: Any) -> None:
@@ -107,6 +137,34 @@ class Engine(Protocol):
     def close(self) -> None:
         """Free what the engine holds outside this process's objects (vLLM: its engine core)."""
         ...
+
+
+def extends(prompt: Stream, last: Stream) -> bool:
+    """Whether `prompt` is `last` with tokens appended (an engine's cached rows can go on)."""
+    return len(prompt) >= len(last) and prompt.tokens_T[:len(last)] == last.tokens_T
+
+
+def play_lockstep(engine: Engine, prompts_P: list[Stream], n: int, params: SamplingParams,
+                  generator: torch.Generator | None, step_row: StepRow) -> None:
+    """`Engine.play_rows` by turns: every live row samples one reply (`Rows.decode`), each goes
+    through `step_row`, the finished rows are dropped and the rest advance by their new tokens;
+    when a new prompt is not its last one grown (an image window cut an older image) the live
+    rows are opened anew from their prompts."""
+    rows = engine.open(prompts_P, n)
+    live_B = list(range(len(prompts_P) * n))  # live_B[b]: the row id at batch position b
+    last_B = [p for p in prompts_P for _ in range(n)]
+    while live_B:
+        done_B = rows.decode(params, generator)
+        grown = [(b, prompt) for b, (i, done) in enumerate(zip(live_B, done_B))
+                 if (prompt := step_row(i, done)) is not None]
+        if not grown:
+            return
+        keep, grown_B = [b for b, _ in grown], [prompt for _, prompt in grown]
+        if all(extends(prompt, last_B[b]) for b, prompt in grown):
+            rows.advance(keep, grown_B)
+        else:
+            rows = engine.open(grown_B, 1)
+        live_B, last_B = [live_B[b] for b in keep], grown_B
 
 
 @dataclass
@@ -145,6 +203,11 @@ class TransformersEngine:
         extend(self.lm.model, live, prompts_P, self.pad_id)
         repeat_rows(live, n)
         return TransformersRows(self, live)
+
+    def play_rows(self, prompts_P: list[Stream], n: int, params: SamplingParams,
+                  generator: torch.Generator | None, step_row: StepRow) -> None:
+        """All live rows a turn at a time, from one batched KV cache (`play_lockstep`)."""
+        play_lockstep(self, prompts_P, n, params, generator, step_row)
 
     def add_version(self, version: int, model: Any) -> None:
         """Nothing to do: the session copies a version's weights into the model itself."""

@@ -1,9 +1,16 @@
 """The vLLM sampler engine (GPU only), behind the same rows interface as the transformers engine.
 
 Selected by `engine.name=vllm`; `play_model` and the SamplingClient run unchanged on it.
-Every decode sends each live row's whole stream as a token prompt; vLLM's prefix cache
+Every request sends a row's whole stream as a token prompt; vLLM's prefix cache
 (`enable_prefix_caching=True`) finds the KV blocks it already holds - the system prompt, earlier
 turns, the G rows of one maze - so a turn prefills only its new tokens, as our KV cache does.
+
+A multi-turn rollout is streamed (`engine.stream_rows`, `VLLMEngine.stream`): every row's first
+turn is queued (`LLM.enqueue`), and as vLLM's engine finishes a request (`llm_engine.step()`)
+that row's environment steps and its next turn is queued at once, while vLLM's engine core (its
+own process) samples the other rows. No turn waits for the batch's slowest row, and the
+workbench's work between turns runs beside the GPU's instead of between its turns.
+`engine.stream_rows=false` runs one `LLM.generate` per turn over all live rows.
 
 What one row sends:
 
@@ -48,7 +55,8 @@ from typing import Any
 import torch
 
 from workbench.deps import require
-from workbench.policy.engine import EngineSettings
+from workbench.policy.engine import EngineSettings, StepRow, play_lockstep
+from workbench.policy.graphs import warn_fallback
 from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
 from workbench.policy.vllm_merged import WORKER_EXTENSION, push_merged
@@ -143,6 +151,22 @@ def row_seeds(rows: int, generator: torch.Generator | None) -> list[int | None]:
     if generator is None:
         return [None] * rows
     return torch.randint(0, 2**31 - 1, (rows,), generator=generator).tolist()
+
+
+def output_id(request_id: str) -> str:
+    """The id vLLM's outputs carry for a request that `LLM.enqueue` returned as `request_id`:
+    LLM numbers its requests, and vLLM 0.26's engine makes each number unique by a '-' and 8
+    random characters, which its outputs leave out again."""
+    return request_id.split("-", 1)[0]
+
+
+def turn_seed(base: int | None, row: int, turn: int) -> int | None:
+    """The request seed of a row's turn in a streamed rollout: a function of the rollout's one
+    draw (`base`), the row and the turn, so it does not depend on the order rows come back."""
+    if base is None:
+        return None
+    digest = hashlib.blake2b(f"{base}:{row}:{turn}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little") & (2**31 - 1)
 
 
 def to_completion(output: Any, fmt: ChatFormat) -> Completion:
@@ -280,6 +304,7 @@ class VLLMEngine:
         self.adapter_root = Path(adapter_root)
         self.version: int | None = None  # None: the base model, no adapter
         self.merged = settings.vllm_lora == "merged"
+        self.stream_rows = settings.stream_rows  # play_rows: each row as soon as it is back
         self.merged_version: int | None = None  # the version in vLLM's weights (merged only)
         self.model: Any = None  # the peft model whose versions are merged (merged only)
         self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
@@ -290,6 +315,10 @@ class VLLMEngine:
         if torch.cuda.is_available():
             check_memory_share(settings.gpu_memory_utilization, *torch.cuda.mem_get_info())
         self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype, length))
+        if self.stream_rows and not hasattr(self.llm, "enqueue"):
+            warn_fallback("engine.stream_rows", "this vLLM has no LLM.enqueue (0.26.0 has): a "
+                          "rollout samples a turn at a time")
+            self.stream_rows = False
 
     def adapter_folder(self, version: int) -> Path:
         """Where version `version`'s PEFT adapter is written."""
@@ -357,6 +386,59 @@ class VLLMEngine:
         """Rows p * n + g = prompt p (prefix caching shares its prefill among the n)."""
         return VLLMRows(self, [s for s in prompts_P for _ in range(n)])
 
+    def play_rows(self, prompts_P: list[Stream], n: int, params: SamplingParams,
+                  generator: torch.Generator | None, step_row: StepRow) -> None:
+        """`Engine.play_rows`: streamed (`stream_rows`, the default) or a turn at a time."""
+        if self.stream_rows:
+            self.stream(prompts_P, n, params, generator, step_row)
+        else:
+            play_lockstep(self, prompts_P, n, params, generator, step_row)
+
+    def stream(self, prompts_P: list[Stream], n: int, params: SamplingParams,
+               generator: torch.Generator | None, step_row: StepRow) -> None:
+        """Every row's first turn is queued (`LLM.enqueue`); then, as vLLM's engine finishes
+        requests (`llm_engine.step()`), each finished row goes through `step_row` at once and its
+        next prompt is queued while vLLM goes on with the other rows. Row b's turn t is seeded
+        by `turn_seed` (one draw from `generator` for the whole rollout)."""
+        base = row_seeds(1, generator)[0]
+        lora, pil_cache = self.lora_request(), dict[int, Any]()
+        sent: dict[str, tuple[int, int, Stream]] = {}  # request id -> (row, turn, prompt)
+
+        def send(row: int, turn: int, stream: Stream) -> None:
+            vparams = sampling_params(self.vllm, params, self.fmt, turn_seed(base, row, turn))
+            [request] = self.llm.enqueue([vllm_prompt(stream, pil_cache)], [vparams],
+                                         lora_request=lora, use_tqdm=False)
+            sent[output_id(request)] = (row, turn, stream)
+
+        start, stepping = time.perf_counter(), 0.0
+        try:
+            for row, stream in enumerate(s for s in prompts_P for _ in range(n)):
+                send(row, 0, stream)
+            while sent:
+                for out in self.llm.llm_engine.step():
+                    if not out.finished:
+                        continue
+                    if out.request_id not in sent:
+                        raise RuntimeError(f"vLLM returned request {out.request_id!r}, which this "
+                                           f"rollout did not send (it sent {sorted(sent)[:4]}...)")
+                    row, turn, stream = sent.pop(out.request_id)
+                    check_prompt(out.prompt_token_ids, stream)
+                    t0 = time.perf_counter()
+                    grown = step_row(row, to_completion(out.outputs[0], self.fmt))
+                    stepping += time.perf_counter() - t0
+                    if grown is not None:
+                        send(row, turn + 1, grown)
+        finally:
+            if sent:  # an error stopped the rollout: no request of it stays in vLLM's queue
+                self.llm.llm_engine.abort_request(list(sent.keys()))
+            self.generate_s += time.perf_counter() - start - stepping
+
+    def lora_request(self) -> Any:
+        """The LoRARequest of the version in use (None: the base, or merged weights)."""
+        if self.version is None or self.merged:
+            return None
+        return lora_request(self.lora_cls, self.version, self.adapter_folder(self.version))
+
     def generate(self, streams_B: list[Stream], params: SamplingParams,
                  generator: torch.Generator | None = None,
                  pil_cache: dict[int, Any] | None = None) -> list[Completion]:
@@ -364,8 +446,7 @@ class VLLMEngine:
         prompts_B = [vllm_prompt(s, pil_cache) for s in streams_B]
         params_B = [sampling_params(self.vllm, params, self.fmt, seed)
                     for seed in row_seeds(len(streams_B), generator)]
-        lora = None if self.version is None or self.merged else \
-            lora_request(self.lora_cls, self.version, self.adapter_folder(self.version))
+        lora = self.lora_request()
         start = time.perf_counter()
         outputs_B = self.llm.generate(prompts_B, params_B, lora_request=lora, use_tqdm=False)
         self.generate_s += time.perf_counter() - start

@@ -510,7 +510,8 @@ def update(training_client: TrainingClient, datums: list[Datum],
             losses.append(sum(o.loss for o in done))
     total_tokens = sum(o.metrics["tokens"] for o in outs) or 1
     metrics = {k: sum(o.metrics[k] * o.metrics["tokens"] for o in outs) / total_tokens
-               for k in ("kl_sampler_trainer", "clip_fraction", "entropy")}
+               for k in ("kl_sampler_trainer", "clip_fraction", "entropy",
+                         "tis_truncated_fraction") if k in outs[0].metrics}
     metrics |= {"loss": float(np.mean(losses)), "tokens": total_tokens // u.epochs}
     opts = [s.result() for s in steps]
     return UpdateRecord(metrics, float(np.mean([o.grad_norm for o in opts])),

@@ -1,8 +1,10 @@
-"""Play episodes of a task: a model policy batched per turn, or a scripted policy (random, oracle).
+"""Play episodes of a task: a model policy's live episodes batched, or a scripted policy (random,
+oracle).
 
 `play_model` runs G episodes for each of P initial states of a task (any `envs.protocol.Task`:
-the maze, or envs/room.py's room). Every turn, all live episodes are batched and
-each samples one reply; the reply is parsed, the environment steps, and the next observation
+the maze, or envs/room.py's room). Each live episode samples one reply a turn, batched with the
+others by the engine (`Engine.play_rows`: all rows a turn at a time, or with vLLM each row as
+soon as it is back); the reply is parsed, the environment steps, and the next observation
 (image + feedback + turn budget) is appended to the episode's token stream. Streams only grow by
 appending, so the record holds exactly the tokens the sampler saw and produced.
 
@@ -26,6 +28,7 @@ from workbench.envs.protocol import Task, TaskEnv
 from workbench.envs.tasks import ScriptedPolicy
 from workbench.model.load import LoadedModel
 from workbench.policy import (
+    Completion,
     SamplingParams,
     Stream,
     append_reply,
@@ -132,13 +135,15 @@ def play_model(
 ) -> list[list[Episode]]:
     """G = n episodes per maze, all live episodes decoded together each turn: episodes_P_G.
 
-    `engine` draws the replies (default: the transformers engine over lm.model). Each maze's
-    first prompt is prefilled once and shared by its G rows; after that every turn prefills only
-    the new observation (KV cache kept across turns) and drops finished rows. With
-    `history_images` = k > 0 only the last k turns keep their image (older turns keep their
-    text: `policy.keep_last_images`): once a row holds more than k images its prompt is no
-    longer an extension of the last, so the rows are prefilled anew each turn, and each turn's
-    prompt and sampled reply are kept in `Episode.turn_streams`.
+    `engine` draws the replies (default: the transformers engine over lm.model) and decides
+    when each row samples (`Engine.play_rows`): the transformers engine a turn at a time for
+    all live rows, vLLM each row as soon as its last reply is back. Each maze's first prompt is
+    prefilled once and shared by its G rows; after that a turn prefills only the new
+    observation (KV cache kept across turns). With `history_images` = k > 0 only the last k
+    turns keep their image (older turns keep their text: `policy.keep_last_images`): once a row
+    holds more than k images its prompt is no longer an extension of the last, so it is
+    prefilled anew each turn, and each turn's prompt and sampled reply are kept in
+    `Episode.turn_streams`.
     """
     engine = engine or TransformersEngine(lm)
     fmt = chat_format(lm.processor)
@@ -157,29 +162,25 @@ def play_model(
             envs.append(env)
             episodes.append(Episode(init_state=state, positions=[env.pos]))
     streams = [s for s in first_streams for _ in range(n)]
-    rows = list(range(len(envs)))  # rows[b]: episode index of engine row b
-    live = engine.open(first_streams, n)
-    while rows:
-        completions = live.decode(params, generator)
-        for i, done in zip(rows, completions):
-            reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
-            episodes[i].sampled_tokens.append(list(done.tokens))
-            if history_images:
-                prompt = keep_last_images(streams[i], fmt, history_images)
-                episodes[i].turn_streams.append(
-                    append_reply(prompt, fmt, done.tokens, done.logprobs))
-            streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
-            obs, info = record_step(episodes[i], envs[i], reply)
-            if not envs[i].done:
-                streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config, images)
-            episodes[i].stream = streams[i]
-        keep = [b for b, i in enumerate(rows) if not envs[i].done]
-        rows = [rows[b] for b in keep]
-        if history_images and any(len(streams[i].images) > history_images for i in rows):
-            live = engine.open([keep_last_images(streams[i], fmt, history_images)
-                                for i in rows], 1)
-        elif rows:
-            live.advance(keep, [streams[i] for i in rows])
+
+    def step_row(i: int, done: Completion) -> Stream | None:
+        """Episode i's reply: record it, step its environment, append the next observation;
+        its next prompt (the image window applied), or None once the episode is over."""
+        reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
+        episodes[i].sampled_tokens.append(list(done.tokens))
+        if history_images:
+            prompt = keep_last_images(streams[i], fmt, history_images)
+            episodes[i].turn_streams.append(append_reply(prompt, fmt, done.tokens, done.logprobs))
+        streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
+        obs, info = record_step(episodes[i], envs[i], reply)
+        if not envs[i].done:
+            streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config, images)
+        episodes[i].stream = streams[i]
+        if envs[i].done:
+            return None
+        return keep_last_images(streams[i], fmt, history_images) if history_images else streams[i]
+
+    engine.play_rows(first_streams, n, params, generator, step_row)
     return [episodes[p * n:(p + 1) * n] for p in range(len(init_states_P))]
 
 

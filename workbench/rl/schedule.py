@@ -103,6 +103,6 @@ def step_update(config: RunConfig, step: int) -> UpdateSettings:
     generator.temperature), AdamW at the step's learning rate, the algorithm's mini-batching."""
     a = config.algorithm
     loss = LossConfig(clip_low=a.clip_low, clip_high=a.clip_high, reduction=a.loss_reduction,
-                      temperature=config.generator.temperature)
+                      temperature=config.generator.temperature, tis_cap=a.tis_cap)
     adam = AdamParams(learning_rate=learning_rate(config, step), grad_clip_norm=a.grad_clip_norm)
     return UpdateSettings(a.loss, loss, adam, a.minibatch, a.mini_batches, a.update_epochs)

@@ -219,6 +219,8 @@ def _metrics_row(step: int, ro: phases.RolloutRecord, sc: phases.ScoreRecord,
                 "update/entropy": up.metrics["entropy"],
                 "update/clip_fraction": up.metrics["clip_fraction"],
                 "update/tokens": up.metrics["tokens"], "update/grad_norm": up.grad_norm}
+        if "tis_truncated_fraction" in up.metrics:  # algorithm.tis_cap
+            row["update/tis_truncated_fraction"] = up.metrics["tis_truncated_fraction"]
     return row
 
 

@@ -13,9 +13,12 @@ adapter, its gradients and Adam stay as they were. Per frozen linear layer of th
 - backward, the activation gradient only (the weight is frozen): the output gradient is
   multiplied by the weight's per-channel scales, quantised row-wise, and multiplied with the
   transposed FP8 weight (transposed when needed: no second copy is kept);
-- each quantisation (absolute max, scale, cast) is one compiled kernel (`torch.compile`), so
-  the GEMMs' gain is not spent around them; with `speed.compile_layers` the whole layer,
-  quantisation included, is compiled together.
+- the GEMM is a custom op (`workbench::fp8_matmul`, its backward registered with it), so
+  torch.compile keeps it one node and traces the quantisations around it: with
+  `speed.compile_layers` inductor fuses each quantisation (absolute max, scale, cast) into the
+  layer's other elementwise work, and one compilation serves every layer; outside a compiled
+  layer each quantisation is one compiled kernel of its own, so the GEMMs' gain is not spent
+  around them.
 
 Calls without grad (the sampler's prefill on our engine, `compute_logprobs`) keep the bf16
 path. The PPO ratio is taken against the sampler's own log-probs, so the trainer's FP8 error
@@ -57,8 +60,11 @@ def _compiled_quantize_rows() -> Any:
 
 def fused_quantize_rows(x: torch.Tensor) -> Any:
     """`quantize_rows` as one kernel a call on CUDA (compiled once for every shape); the plain
-    ops on a CPU, and inside a compiled layer, where inductor fuses them with the rest."""
-    if x.device.type != "cuda" or torch.compiler.is_compiling():
+    ops on a CPU, and inside a compiled layer, where inductor fuses them with the rest: while
+    dynamo traces the forward, or AOTAutograd the backward of `fp8_matmul` (fake tensors)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    if x.device.type != "cuda" or torch.compiler.is_compiling() or is_fake(x):
         return quantize_rows
     return _compiled_quantize_rows()
 
@@ -76,46 +82,76 @@ def quantize_weight(weight_NK: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(w_NK=w_NK, scale_1N=scale_N1.reshape(1, -1).contiguous())
 
 
-class Fp8Matmul(torch.autograd.Function):
-    """y = x W^T through FP8 GEMMs; the gradient of x only (W is frozen)."""
+@torch.library.custom_op("workbench::fp8_matmul", mutates_args=())
+def fp8_matmul(x_MK: torch.Tensor, x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor,
+               w_NK: torch.Tensor, scale_1N: torch.Tensor) -> torch.Tensor:
+    """y = x W^T from x's FP8 copy (x_q, its row scales) and the weight's: one `_scaled_mm`,
+    both scales applied in its epilogue, x's dtype out. x itself is an input for its gradient
+    only (`_fp8_matmul_backward`). A custom op, so torch.compile keeps it one node and traces
+    the quantisation around it with the rest of the layer."""
+    return torch._scaled_mm(x_q_MK, w_NK.t(), scale_a=x_scale_M1, scale_b=scale_1N,
+                            out_dtype=x_MK.dtype)
 
-    @staticmethod
-    def forward(ctx: Any, x_MK: torch.Tensor, w_NK: torch.Tensor,
-                scale_1N: torch.Tensor) -> torch.Tensor:
-        x_q, x_scale_M1 = fused_quantize_rows(x_MK)(x_MK)
-        ctx.save_for_backward(w_NK, scale_1N)
-        return torch._scaled_mm(x_q, w_NK.t(), scale_a=x_scale_M1, scale_b=scale_1N,
-                                out_dtype=x_MK.dtype)
 
-    @staticmethod
-    def backward(ctx: Any, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
-        w_NK, scale_1N = ctx.saved_tensors
-        # dx = g W = (g * s_N) W_q: the weight's row scales move onto the gradient's columns
-        g_q, g_scale_M1 = fused_quantize_rows(grad_MN)(grad_MN.contiguous(), scale_1N)
-        ones_1K = torch.ones(1, w_NK.shape[1], device=w_NK.device, dtype=torch.float32)
-        w_KN = w_NK.t().contiguous()  # _scaled_mm's second operand is column-major
-        return (torch._scaled_mm(g_q, w_KN.t(), scale_a=g_scale_M1, scale_b=ones_1K,
-                                 out_dtype=grad_MN.dtype), None, None)
+@fp8_matmul.register_fake
+def _fp8_matmul_shape(x_MK: torch.Tensor, x_q_MK: torch.Tensor, x_scale_M1: torch.Tensor,
+                      w_NK: torch.Tensor, scale_1N: torch.Tensor) -> torch.Tensor:
+    return x_MK.new_empty(x_MK.shape[0], w_NK.shape[0])
+
+
+def _fp8_matmul_save(ctx: Any, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[3], inputs[4])  # the FP8 weight and its row scales
+
+
+def _fp8_matmul_backward(ctx: Any, grad_MN: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The gradient of x only (W is frozen): dx = g W = (g * s_N) W_q, the weight's row scales
+    moved onto the gradient's columns before it is quantised row-wise."""
+    w_NK, scale_1N = ctx.saved_tensors
+    g_q, g_scale_M1 = fused_quantize_rows(grad_MN)(grad_MN.contiguous(), scale_1N)
+    ones_1K = torch.ones(1, w_NK.shape[1], device=w_NK.device, dtype=torch.float32)
+    w_KN = w_NK.t().contiguous()  # _scaled_mm's second operand is column-major
+    dx_MK = torch._scaled_mm(g_q, w_KN.t(), scale_a=g_scale_M1, scale_b=ones_1K,
+                             out_dtype=grad_MN.dtype)
+    return dx_MK, None, None, None, None
+
+
+fp8_matmul.register_autograd(_fp8_matmul_backward, setup_context=_fp8_matmul_save)
+
+
+def fp8_mm(x_MK: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x W^T through FP8 GEMMs, differentiable in x: x quantised row-wise, then `fp8_matmul`."""
+    x_q_MK, x_scale_M1 = fused_quantize_rows(x_MK)(x_MK)
+    return fp8_matmul(x_MK, x_q_MK, x_scale_M1, weight.w_NK, weight.scale_1N)
 
 
 def fp8_linear(x: torch.Tensor, weight: Fp8Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear through `Fp8Matmul` for inputs of any leading shape (rows padded to 16)."""
+    """F.linear through `fp8_mm` for inputs of any leading shape (rows padded to 16)."""
     lead, k = x.shape[:-1], x.shape[-1]
     x_MK = x.reshape(-1, k)
     rows = x_MK.shape[0]
     pad = -rows % MULTIPLE
     if pad:
         x_MK = F.pad(x_MK, (0, 0, 0, pad))
-    y_MN = Fp8Matmul.apply(x_MK, weight.w_NK, weight.scale_1N)[:rows]
+    y_MN = fp8_mm(x_MK, weight)[:rows]
     if bias is not None:
         y_MN = y_MN + bias
     return y_MN.reshape(*lead, -1)
 
 
-def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled():
-        return fp8_linear(x, vars(module)["fp8_weight"], module.bias)
-    return F.linear(x, module.weight, module.bias)
+class Fp8Linear(torch.nn.Linear):
+    """A frozen nn.Linear whose forward with grad runs through FP8 GEMMs (`fp8_linear`); without
+    grad it is nn.Linear's. Its FP8 copy is two non-persistent buffers (`fp8_w_NK`,
+    `fp8_scale_1N`): state dicts, checkpoints and exports see the bf16 weight only, and
+    torch.compile takes the buffers as inputs of one graph shared by every layer (a per-module
+    forward or attribute object would be guarded by identity: one compilation a layer)."""
+
+    fp8_w_NK: torch.Tensor
+    fp8_scale_1N: torch.Tensor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            return fp8_linear(x, Fp8Weight(self.fp8_w_NK, self.fp8_scale_1N), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 def frozen_linears(model: Any) -> list[torch.nn.Linear]:
@@ -126,8 +162,8 @@ def frozen_linears(model: Any) -> list[torch.nn.Linear]:
     out = []
     for layer in base_model(model).model.language_model.layers:
         for module in layer.modules():
-            if isinstance(module, torch.nn.Linear) and not module.weight.requires_grad \
-                    and module.in_features % MULTIPLE == 0 \
+            if type(module) in (torch.nn.Linear, Fp8Linear) \
+                    and not module.weight.requires_grad and module.in_features % MULTIPLE == 0 \
                     and module.out_features % MULTIPLE == 0:
                 out.append(module)
     return out
@@ -150,19 +186,22 @@ def fp8_unsupported(model: Any) -> str:
 
 
 def drop_fp8_base(model: Any) -> None:
-    """Free the FP8 copies (`host.close`); the layers' forward is bf16 again."""
+    """Free the FP8 copies (`host.close`); the layers are plain nn.Linear again."""
     for module in frozen_linears(model):
-        if vars(module).pop("fp8_weight", None) is not None:
-            del vars(module)["forward"]
+        if isinstance(module, Fp8Linear):
+            del module.fp8_w_NK, module.fp8_scale_1N
+            module.__class__ = torch.nn.Linear  # type: ignore[assignment]
 
 
 def use_fp8_base(model: Any) -> int:
-    """Switch every frozen text-decoder linear's forward with grad to FP8 (`fp8_linear`);
+    """Switch every frozen text-decoder linear to `Fp8Linear` (its FP8 copy made once);
     returns how many. Idempotent. The caller checks `fp8_unsupported` first."""
     switched = 0
     for module in frozen_linears(model):
-        if "fp8_weight" not in vars(module):  # kept in the instance's own dict, beside forward
-            vars(module)["fp8_weight"] = quantize_weight(module.weight)
-            vars(module)["forward"] = functools.partial(_forward, module)
+        if not isinstance(module, Fp8Linear):
+            weight = quantize_weight(module.weight)
+            module.register_buffer("fp8_w_NK", weight.w_NK, persistent=False)
+            module.register_buffer("fp8_scale_1N", weight.scale_1N, persistent=False)
+            module.__class__ = Fp8Linear
         switched += 1
     return switched

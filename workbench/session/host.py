@@ -34,7 +34,13 @@ from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.policy.engine import Engine
 from workbench.policy.engines import make_engine
 from workbench.policy.forward import token_logprobs
-from workbench.session.losses import LOSSES, REDUCTIONS, LossConfig, loss_metrics
+from workbench.session.losses import (
+    LOSSES,
+    REDUCTIONS,
+    LossConfig,
+    loss_metrics,
+    truncated_is,
+)
 from workbench.session.spec import SessionSpec, SpeedSettings
 from workbench.session.types import (
     AdamParams,
@@ -337,8 +343,10 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
         # Observation tokens (weight 0) may be banned for sampling (-inf): keep them out of
         # the arithmetic, since 0 * -inf is nan.
         logp_B_T = [torch.where(w != 0, lp, torch.zeros_like(lp)) for lp, w in zip(logp_B_T, w_B_T)]
-        loss_B_T = [LOSSES[loss_fn](lp, sp, a, w, cfg)
-                    for lp, sp, a, w in zip(logp_B_T, sampler_B_T, adv_B_T, w_B_T)]
+        base_B_T, weight_B_T = truncated_is(logp_B_T, sampler_B_T, w_B_T, cfg.tis_cap) \
+            if cfg.tis_cap else (sampler_B_T, w_B_T)  # the ratio's base, the tokens' weights
+        loss_B_T = [LOSSES[loss_fn](lp, base, a, w, cfg)
+                    for lp, base, a, w in zip(logp_B_T, base_B_T, adv_B_T, weight_B_T)]
         loss = REDUCTIONS[cfg.reduction](loss_B_T, w_B_T)
         if backward:
             loss.backward()

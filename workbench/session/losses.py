@@ -9,6 +9,9 @@ convention) or applies a mean reduction. With r = exp(logp - sampler_logp):
     importance_sampling  -(w * r * A)
     ppo                  -(w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A))
     cispo                -(w * stopgrad(clip(r, 0, cispo_max)) * logp * A)
+
+With truncated importance sampling (`LossConfig.tis_cap`, `truncated_is`) r is taken against
+the trainer's own log-probs and w carries min(trainer / sampler, cap) instead.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ class LossConfig:
     cispo_max: float = 4.0  # CISPO: ratio weights clipped to [0, cispo_max]
     reduction: str = "sequence_mean"  # "sum" | "token_mean" | "sequence_mean" (the run's default)
     temperature: float = 1.0  # trainer log-probs at the sampling temperature
+    tis_cap: float = 0.0  # truncated importance sampling (`truncated_is`); 0 = off
 
     def __post_init__(self) -> None:
         if self.reduction not in REDUCTIONS:
@@ -67,6 +71,17 @@ LOSSES: dict[str, LossFn] = {
     "ppo": ppo,
     "cispo": cispo,
 }
+
+
+def truncated_is(logp_B_T: list[torch.Tensor], sampler_B_T: list[torch.Tensor],
+                 w_B_T: list[torch.Tensor], cap: float
+                 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Truncated importance sampling: the ratio's base becomes the trainer's own log-probs
+    (detached: r = 1 in value, the gradient of log p), and each token's weight is multiplied by
+    min(exp(trainer - sampler), cap) -> (base_B_T, weights_B_T) for the loss."""
+    own_B_T = [lp.detach() for lp in logp_B_T]
+    return own_B_T, [w * torch.clamp(torch.exp(own - s), max=cap)
+                     for own, s, w in zip(own_B_T, sampler_B_T, w_B_T)]
 
 
 def _sum(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tensor:
@@ -113,19 +128,27 @@ split of the batch (how `rl.phases.global_weights` keeps mini-batches exact)."""
 
 
 def loss_metrics(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg: LossConfig) -> dict[str, float]:
-    """KL(sampler || trainer) (k3 estimator), clip fraction, entropy and token count."""
+    """KL(sampler || trainer) (k3 estimator), the share of tokens the loss's ratio clips (against
+    the sampler; under truncated importance sampling against the trainer's own log-probs, so
+    none in the one forward), entropy and token count; with cfg.tis_cap the share of tokens
+    whose weight min(trainer / sampler, cap) was cut to the cap."""
     with torch.no_grad():
         mask = torch.cat([w != 0 for w in w_B_T])
+        tis = {"tis_truncated_fraction": 0.0} if cfg.tis_cap else {}
         if not bool(mask.any()):
-            return {"kl_sampler_trainer": 0.0, "clip_fraction": 0.0, "entropy": 0.0, "tokens": 0}
+            return {"kl_sampler_trainer": 0.0, "clip_fraction": 0.0, "entropy": 0.0,
+                    "tokens": 0} | tis
         logp = torch.cat(logp_B_T)[mask]
         sampler = torch.cat(sampler_B_T)[mask]
         log_ratio = logp - sampler  # log (trainer / sampler)
         ratio = log_ratio.exp()
         clipped = (ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)
+        if cfg.tis_cap:
+            tis["tis_truncated_fraction"] = float((ratio > cfg.tis_cap).float().mean())
+            clipped = torch.zeros_like(clipped)  # the ratio against itself: 1
         return {
             "kl_sampler_trainer": float((ratio - 1.0 - log_ratio).mean()),
             "clip_fraction": float(clipped.float().mean()),
             "entropy": float(torch.cat(entropy_B_T)[mask].mean()),
             "tokens": int(mask.sum()),
-        }
+        } | tis
