@@ -256,3 +256,17 @@ def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
     assert float(torch.nn.functional.cosine_similarity(compiled[1], eager[1], dim=0)) > 0.99
     assert float((eager[0] - bf16[0]).abs().median()) < 0.02
     assert float(torch.nn.functional.cosine_similarity(eager[1], bf16[1], dim=0)) > 0.98
+
+
+def test_a_run_with_fp8_and_no_truncated_importance_sampling_says_so_first() -> None:
+    """speed.fp8_base with a loss whose ratio is taken to the sampler (ppo,
+    importance_sampling) and algorithm.tis_cap=0: the run starts with one line naming the key
+    to set; with a cap, with cispo (its weight is clipped already) or without FP8: nothing."""
+    from workbench.rl.train import fp8_ratio_line
+
+    fp8 = apply_overrides(PRESETS["tiny"], ["speed.fp8_base=true"])
+    assert fp8_ratio_line(fp8).endswith("set algorithm.tis_cap=2 (truncated importance "
+                                        "sampling)")
+    assert "ppo's ratio" in fp8_ratio_line(fp8)
+    for quiet in (["algorithm.tis_cap=2"], ["algorithm.loss=cispo"], ["speed.fp8_base=false"]):
+        assert fp8_ratio_line(apply_overrides(fp8, quiet)) == ""

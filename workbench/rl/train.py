@@ -72,6 +72,8 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     check_model(config.model.name)  # a missing model folder: one line, no run folder touched
     check_loggers(config.trainer.logger)  # a missing logger extra: the same
     check_context(config, log)  # episodes that could pass the engine's context: one line
+    if line := fp8_ratio_line(config):
+        log(line)
     run = runfolder.open_run(config, log)
     run_dir = run.run_dir
     session = open_session(session_spec(config, run_dir), log)
@@ -94,6 +96,20 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
         runfolder.save_checkpoint(run_dir, 0, session.training_client, config)
     runfolder.mirror_run(run_dir, config)  # s3:// run_dir: upload what is new
     return trainer
+
+
+def fp8_ratio_line(config: RunConfig) -> str:
+    """The line a run with speed.fp8_base and a ratio loss but no truncated importance sampling
+    starts with: the FP8 update scores the sampled tokens far from the bf16 sampler, so PPO's
+    ratio leaves its clip range on most of them (benchmarks/RESULTS.md, "FP8 for the frozen
+    base"). "" when there is nothing to say."""
+    a = config.algorithm
+    if not config.speed.fp8_base or a.tis_cap or a.loss not in ("ppo", "importance_sampling"):
+        return ""
+    return ("speed.fp8_base with algorithm.tis_cap=0: the update's FP8 log-probs differ from "
+            f"the sampler's bf16 ones, and {a.loss}'s ratio to the sampler then clips or "
+            "weighs most reply tokens by that error; set algorithm.tis_cap=2 (truncated "
+            "importance sampling)")
 
 
 def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
