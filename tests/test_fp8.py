@@ -30,6 +30,18 @@ from workbench.session.fp8 import (
 CUDA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
+def _logprobs_and_lora_grads(model, streams, processor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streams' token log-probs (their first token left out) with grad, and the LoRA
+    gradient of their sum, flattened."""
+    fmt, pad = chat_format(processor), processor.tokenizer.pad_token_id
+    model.zero_grad(set_to_none=True)
+    logp, _ = token_logprobs(model, streams, 1.0, fmt.banned, pad)
+    flat = torch.cat([lp[1:].float() for lp in logp])
+    flat.sum().backward()
+    return flat.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters()
+                                     if p.requires_grad])
+
+
 def _dequantized(x_q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return x_q.float() * scale
 
@@ -185,24 +197,14 @@ def test_compiled_layers_trace_the_fp8_path_as_one_graph(bf16_lora,
     lm, _, streams = bf16_lora
     model = add_lora(build_random("qwen3-vl-small-shape", dtype=torch.bfloat16,
                                   device="cpu").model, LoraSettings(rank=8, alpha=16))
-    fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
-
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        logp, _ = token_logprobs(model, streams, 1.0, fmt.banned, pad)
-        flat = torch.cat([lp[1:].float() for lp in logp])
-        flat.sum().backward()
-        return flat.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters()
-                                         if p.requires_grad])
-
     use_fp8_base(model)
-    eager = run()
+    eager = _logprobs_and_lora_grads(model, streams, lm.processor)
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="aot_eager", **kw))
     torch._dynamo.reset()
     counters.clear()
     compile_for_training(model)
-    compiled = run()
+    compiled = _logprobs_and_lora_grads(model, streams, lm.processor)
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     finite = eager[0].isfinite()
     assert torch.equal(compiled[0][finite], eager[0][finite])
@@ -228,7 +230,7 @@ def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
     from workbench.envs import MazeConfig, MazeEnv, system_prompt
     from workbench.rl import user_text
 
-    fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
+    fmt = chat_format(lm.processor)
     config = MazeConfig(size=9, px_per_cell=25)
     obs, info = MazeEnv(config).reset(seed=0)
     stream = start_stream(lm.processor, fmt, system_prompt(config))
@@ -236,12 +238,7 @@ def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
                            encode_image(lm.processor, obs["image"]))] * 2
 
     def run() -> tuple[torch.Tensor, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        logp, _ = token_logprobs(model, streams, 1.0, fmt.banned, pad)
-        flat = torch.cat([lp[1:].float() for lp in logp])
-        flat.sum().backward()
-        return flat.detach(), torch.cat([p.grad.flatten().float() for p in model.parameters()
-                                         if p.requires_grad])
+        return _logprobs_and_lora_grads(model, streams, lm.processor)
 
     assert fp8_unsupported(model) == ""
     bf16 = run()

@@ -133,7 +133,7 @@ def play_model(
     engine: Engine | None = None,
     history_images: int = 0,
 ) -> list[list[Episode]]:
-    """G = n episodes per maze, all live episodes decoded together each turn: episodes_P_G.
+    """G = n episodes per maze, the live ones sampled together by the engine: episodes_P_G.
 
     `engine` draws the replies (default: the transformers engine over lm.model) and decides
     when each row samples (`Engine.play_rows`): the transformers engine a turn at a time for
