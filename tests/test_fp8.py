@@ -170,7 +170,8 @@ def test_fp8_base_on_a_cpu_falls_back_saying_why(bf16_lora) -> None:
 
     lm, model, _ = bf16_lora
     assert fp8_unsupported(model) == "FP8 GEMMs need a CUDA GPU (the model is on cpu)"
-    config = apply_overrides(PRESETS["tiny"], ["trainer.fp8_base=true", "lora.rank=4"])
+    config = apply_overrides(PRESETS["tiny"], ["trainer.fp8_base=true", "lora.rank=4",
+                                               "model.name=tiny"])
     assert config.speed.fp8_base
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
