@@ -259,9 +259,9 @@ def numerics(trainer: Any, config: Any, minibatch: int) -> dict[str, Any]:
     for name, call in (("with_grad", client.forward_backward), ("no_grad_bf16", client.forward)):
         metrics = [call(datums[i:i + minibatch], "ppo", loss).result().metrics
                    for i in range(0, len(datums), minibatch)]
-        tokens = sum(m["tokens"] for m in metrics)
-        out[name] = {k: sum(m[k] * m["tokens"] for m in metrics) / tokens
-                     for k in ("kl_sampler_trainer", "clip_fraction")} | {"tokens": tokens}
+        mean = phases.token_weighted(metrics)
+        out[name] = {k: mean[k] for k in ("kl_sampler_trainer", "clip_fraction")} | {
+            "tokens": sum(m["tokens"] for m in metrics)}
     return out
 
 

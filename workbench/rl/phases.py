@@ -509,13 +509,23 @@ def update(training_client: TrainingClient, datums: list[Datum],
             outs += done
             losses.append(sum(o.loss for o in done))
     total_tokens = sum(o.metrics["tokens"] for o in outs) or 1
-    metrics = {k: sum(o.metrics[k] * o.metrics["tokens"] for o in outs) / total_tokens
-               for k in ("kl_sampler_trainer", "clip_fraction", "entropy",
-                         "tis_truncated_fraction") if k in outs[0].metrics}
+    metrics = token_weighted([o.metrics for o in outs])
     metrics |= {"loss": float(np.mean(losses)), "tokens": total_tokens // u.epochs}
     opts = [s.result() for s in steps]
     return UpdateRecord(metrics, float(np.mean([o.grad_norm for o in opts])),
                         opts[-1].learning_rate, len(datums), time.perf_counter() - start)
+
+
+TOKEN_WEIGHTED = ("kl_sampler_trainer", "clip_fraction", "entropy", "tis_truncated_fraction")
+"""The per-token metrics of a forward(_backward) call that several calls average by tokens."""
+
+
+def token_weighted(metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The TOKEN_WEIGHTED metrics the calls report (`ForwardBackwardOutput.metrics`), each the
+    mean over all their tokens."""
+    tokens = sum(m["tokens"] for m in metrics) or 1
+    return {k: sum(m[k] * m["tokens"] for m in metrics) / tokens
+            for k in TOKEN_WEIGHTED if k in metrics[0]}
 
 
 def _check_update_args(training_client: Any, datums: Any, settings: Any) -> None:

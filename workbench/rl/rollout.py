@@ -162,6 +162,7 @@ def play_model(
             envs.append(env)
             episodes.append(Episode(init_state=state, positions=[env.pos]))
     streams = [s for s in first_streams for _ in range(n)]
+    prompts = list(streams)  # prompts[i]: what episode i is sampling from now
 
     def step_row(i: int, done: Completion) -> Stream | None:
         """Episode i's reply: record it, step its environment, append the next observation;
@@ -169,8 +170,8 @@ def play_model(
         reply = lm.processor.tokenizer.decode(done.tokens, skip_special_tokens=True)
         episodes[i].sampled_tokens.append(list(done.tokens))
         if history_images:
-            prompt = keep_last_images(streams[i], fmt, history_images)
-            episodes[i].turn_streams.append(append_reply(prompt, fmt, done.tokens, done.logprobs))
+            episodes[i].turn_streams.append(
+                append_reply(prompts[i], fmt, done.tokens, done.logprobs))
         streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
         obs, info = record_step(episodes[i], envs[i], reply)
         if not envs[i].done:
@@ -178,7 +179,9 @@ def play_model(
         episodes[i].stream = streams[i]
         if envs[i].done:
             return None
-        return keep_last_images(streams[i], fmt, history_images) if history_images else streams[i]
+        prompts[i] = keep_last_images(streams[i], fmt, history_images) if history_images \
+            else streams[i]
+        return prompts[i]
 
     engine.play_rows(first_streams, n, params, generator, step_row)
     return [episodes[p * n:(p + 1) * n] for p in range(len(init_states_P))]

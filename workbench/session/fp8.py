@@ -21,9 +21,10 @@ adapter, its gradients and Adam stay as they were. Per frozen linear layer of th
   around them.
 
 Calls without grad (the sampler's prefill on our engine, `compute_logprobs`) keep the bf16
-path. The PPO ratio is taken against the sampler's own log-probs, so the trainer's FP8 error
-enters the ratio (its KL to the sampler and its clip fraction are logged every step) and
-PPO's clip bounds it.
+path. Against the sampler's own log-probs the trainer's FP8 error is large (its KL to the
+sampler and its clip fraction are logged every step): PPO's ratio would clip most reply tokens,
+so FP8 runs take the ratio against the trainer's own log-probs with truncated importance
+sampling (`algorithm.tis_cap`, `session.losses.truncated_is`).
 
     layers = use_fp8_base(model)       # -> number of linear layers switched, idempotent
     fp8_unsupported(model)             # why this model/device cannot, or "" (e.g. a CPU)
@@ -37,6 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -62,8 +64,6 @@ def fused_quantize_rows(x: torch.Tensor) -> Any:
     """`quantize_rows` as one kernel a call on CUDA (compiled once for every shape); the plain
     ops on a CPU, and inside a compiled layer, where inductor fuses them with the rest: while
     dynamo traces the forward, or AOTAutograd the backward of `fp8_matmul` (fake tensors)."""
-    from torch._subclasses.fake_tensor import is_fake
-
     if x.device.type != "cuda" or torch.compiler.is_compiling() or is_fake(x):
         return quantize_rows
     return _compiled_quantize_rows()

@@ -142,13 +142,15 @@ def loss_metrics(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg: LossConfig) -> 
         sampler = torch.cat(sampler_B_T)[mask]
         log_ratio = logp - sampler  # log (trainer / sampler)
         ratio = log_ratio.exp()
-        clipped = (ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)
-        if cfg.tis_cap:
+        if cfg.tis_cap:  # the loss's ratio is against the trainer itself: 1, nothing clips
             tis["tis_truncated_fraction"] = float((ratio > cfg.tis_cap).float().mean())
-            clipped = torch.zeros_like(clipped)  # the ratio against itself: 1
+            clip_fraction = 0.0
+        else:
+            clipped = (ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)
+            clip_fraction = float(clipped.float().mean())
         return {
             "kl_sampler_trainer": float((ratio - 1.0 - log_ratio).mean()),
-            "clip_fraction": float(clipped.float().mean()),
+            "clip_fraction": clip_fraction,
             "entropy": float(torch.cat(entropy_B_T)[mask].mean()),
             "tokens": int(mask.sum()),
         } | tis
