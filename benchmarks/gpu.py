@@ -70,6 +70,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--numerics", action="store_true", help="then score one rollout's datums "
                     "with the update's forward (grad on: FP8 with speed.fp8_base) and without "
                     "grad (bf16): KL to the sampler and PPO clip fraction of each")
+    ap.add_argument("--profile", type=int, default=0, metavar="CALLS", help="then profile "
+                    "CALLS forward_backward calls of the update (torch.profiler): wall time, "
+                    "GPU kernel time and the kernels that take most of it")
     ap.add_argument("--mazes", type=int, default=8, help="P (trainer.train_batch_size)")
     ap.add_argument("--group", type=int, default=8, help="G (generator.n_samples_per_prompt)")
     ap.add_argument("--turns", type=int, default=15, help="generator.max_turns")
@@ -265,6 +268,61 @@ def numerics(trainer: Any, config: Any, minibatch: int) -> dict[str, Any]:
     return out
 
 
+def kernel_family(name: str) -> str:
+    """A CUDA kernel's family, for the profile's summary: GEMM (bf16 or FP8), attention,
+    elementwise (compiled by inductor: triton_*), copy, or the name's head."""
+    low = name.lower()
+    if "flash" in low or "fmha" in low or "attention" in low:
+        return "attention"
+    if "gemm" in low or "cutlass" in low or "sm90_xmma" in low or "nvjet" in low:
+        return "gemm_fp8" if "e4m3" in low or "f8" in low else "gemm"
+    if low.startswith("triton_"):
+        return "triton (compiled elementwise)"
+    if "copy" in low or "memcpy" in low or "memset" in low:
+        return "copy"
+    return name.split("<")[0].split("(")[0][:60]
+
+
+def profile_update(trainer: Any, config: Any, calls: int) -> dict[str, Any]:
+    """`calls` forward_backward calls of a fresh rollout's datums (`algorithm.minibatch` each)
+    under torch.profiler: their wall seconds, the GPU's kernel seconds, the share idle, and the
+    kernel families and kernels that take the most GPU time. The gradients are dropped."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_batch, step_update
+
+    client, step = trainer.training_client, trainer.step + 1
+    ro = phases.rollout(client.save_weights_and_get_sampling_client(), step_batch(config, step))
+    adv = phases.advantages(phases.score(ro).rewards_P_G, config.algorithm.advantage,
+                            ro.episodes_P_G)
+    datums, m = phases.make_datums(ro, adv), config.algorithm.minibatch
+    loss = step_update(config, step).loss
+    cuda = torch.cuda.is_available()
+    client.forward_backward(datums[:m], "ppo", loss).result()  # warm
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        for i in range(calls):
+            client.forward_backward(datums[i * m:(i + 1) * m], "ppo", loss).result()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time_total / 1e6)
+    gpu = sum(sum(v) for v in kernels.values())
+    families: dict[str, float] = {}
+    for name, times in kernels.items():
+        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + sum(times)
+    top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
+    return {"calls": calls, "datums_per_call": m, "wall_s": wall, "gpu_kernel_s": gpu,
+            "gpu_idle_share": 1 - gpu / wall,
+            "families_s": dict(sorted(families.items(), key=lambda kv: -kv[1])[:12]),
+            "top_kernels": [[name[:100], round(sum(t), 4), len(t)] for name, t in top]}
+
+
 def summarize(rows: list[dict[str, Any]], episodes: int) -> dict[str, float]:
     """Medians over the timed steps: each phase's seconds, tokens/s, the sampler/trainer KL, the
     PPO clip fraction and the sampler's own counters (vllm/*)."""
@@ -349,6 +407,12 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
             if host is not None:
                 host.optimizer.zero_grad(set_to_none=True)  # the timed steps go on without them
             log(f"numerics: {json.dumps(summary['numerics'])}")
+            save(summary, args.out)
+        if args.profile:
+            summary["profile"] = profile_update(trainer, config, args.profile)
+            if host is not None:
+                host.optimizer.zero_grad(set_to_none=True)
+            log(f"profile: {json.dumps(summary['profile'])}")
             save(summary, args.out)
         if args.then_off_policy:  # the fill step, the timed lagged steps, the drain step
             trainer.config = off_policy(trainer.config)

@@ -7,9 +7,10 @@ import torch
 
 from workbench.envs import MazeConfig, MazeEnv, eval_set, oracle_ceiling, shortest_path_lengths
 from workbench.envs.tasks import oracle_policy, random_open_policy, random_policy
-from workbench.policy import SamplingParams, chat_format
+from workbench.policy import SamplingParams, chat_format, start_stream
 from workbench.rl import Episode, EvalResult, format_table, play_model, play_scripted, summarize
 from workbench.rl.evaluate import TABLE_HEADER
+from workbench.rl.rollout import ObserveCache, observe, user_text
 
 # ---------------------------------------------------------------- scripted policies
 
@@ -178,6 +179,26 @@ def test_play_model_is_reproducible(tiny, model_episodes) -> None:
         [ep.replies for ep in g] for g in model_episodes]
     assert [[ep.stream.tokens_T for ep in g] for g in again] == [
         [ep.stream.tokens_T for ep in g] for g in model_episodes]
+
+
+def test_observe_cache_gives_the_streams_built_without_it(tiny, model_episodes) -> None:
+    # A rollout's cache holds each distinct image's pixels and each distinct text's tokens
+    # once; the streams it builds are token for token those built without it.
+    fmt = chat_format(tiny.processor)
+    ep = model_episodes[0][0]
+    env = MODEL_CONFIG.make_env()
+    obs, info = env.reset(options={"init_state": ep.init_state})
+    cache = ObserveCache()
+    system = start_stream(tiny.processor, fmt, MODEL_CONFIG.rules())
+    with_cache = observe(system, tiny.processor, fmt, obs, info, MODEL_CONFIG, cache)
+    without = observe(system, tiny.processor, fmt, obs, info, MODEL_CONFIG)
+    again = observe(system, tiny.processor, fmt, obs, info, MODEL_CONFIG, cache)
+    assert with_cache.tokens_T == without.tokens_T == again.tokens_T
+    assert with_cache.mm_types_T == without.mm_types_T
+    assert torch.equal(with_cache.images[0].pixel_values, without.images[0].pixel_values)
+    assert again.images[0] is with_cache.images[0]  # the same pixels, processed once
+    assert len(cache.images) == 1
+    assert set(cache.texts) == {"user\n", "assistant\n", user_text(obs, info, MODEL_CONFIG)}
 
 
 def test_play_model_greedy_rows_agree(tiny) -> None:

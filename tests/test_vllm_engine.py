@@ -370,6 +370,15 @@ def test_vllm_engine_refuses_float32(fake_vllm: FakeVLLM, tiny, tmp_path: Path) 
 # ------------------------------------------------------------------ requests
 
 
+@pytest.mark.parametrize("types_T", [[], [0, 0], [1, 1, 1], [0, 1, 1, 0, 1, 0], [0, 1, 1],
+                                     [1, 0, 0, 1, 1, 1, 1, 0]])
+def test_prompt_cuts_each_image_run_to_its_first_token(types_T: list[int]) -> None:
+    tokens_T = list(range(100, 100 + len(types_T)))
+    kept = [tok for t, (tok, kind) in enumerate(zip(tokens_T, types_T))
+            if not (kind == 1 and t > 0 and types_T[t - 1] == 1)]
+    assert prompt_token_ids(Stream(tokens_T=tokens_T, mm_types_T=types_T)) == kept
+
+
 def test_prompt_keeps_stream_tokens_and_images_in_order(tiny) -> None:
     stream = _two_turn_stream(tiny)
     fmt = chat_format(tiny.processor)

@@ -197,13 +197,37 @@ class MazeEnv(_EnvBase):
     def __init__(self, config: MazeConfig = MazeConfig()) -> None:
         self.config = config
         self.render_mode = "rgb_array"
-        if spaces is not None:
-            self.observation_space, self.action_space = _spaces(config)
+        self._spaces: tuple[Any, Any] | None = None  # built on first use (a Box takes ~5 ms)
         self._maze: Maze | None = None
         self._pos = (0, 0)
         self._turn = 0
         self._n_valid = 0
         self._done = False
+
+    @property
+    def observation_space(self) -> Any:
+        """Gymnasium's observation space (image, text, pos); none without gymnasium."""
+        return self._gym_spaces()[0]
+
+    @observation_space.setter
+    def observation_space(self, space: Any) -> None:
+        self._spaces = (space, self._gym_spaces()[1])
+
+    @property
+    def action_space(self) -> Any:
+        """Gymnasium's action space (the reply text); none without gymnasium."""
+        return self._gym_spaces()[1]
+
+    @action_space.setter
+    def action_space(self, space: Any) -> None:
+        self._spaces = (self._gym_spaces()[0], space)
+
+    def _gym_spaces(self) -> tuple[Any, Any]:
+        if spaces is None:
+            raise AttributeError("gymnasium is not installed: MazeEnv has no spaces")
+        if self._spaces is None:
+            self._spaces = _spaces(self.config)
+        return self._spaces
 
     @property
     def maze(self) -> Maze:

@@ -180,8 +180,13 @@ def _append(
     )
 
 
-def _text(processor: Any, text: str) -> list[int]:
-    return processor.tokenizer.encode(text, add_special_tokens=False)
+def _text(processor: Any, text: str, cache: dict[str, list[int]] | None = None) -> list[int]:
+    """The text's tokens (`cache`: tokens of texts seen before, filled as it goes)."""
+    if cache is None:
+        return processor.tokenizer.encode(text, add_special_tokens=False)
+    if text not in cache:
+        cache[text] = processor.tokenizer.encode(text, add_special_tokens=False)
+    return cache[text]
 
 
 def start_stream(processor: Any, fmt: ChatFormat, system_text: str) -> Stream:
@@ -196,16 +201,18 @@ def append_user(
     fmt: ChatFormat,
     text: str,
     image: VisionInput | None = None,
+    texts: dict[str, list[int]] | None = None,
 ) -> Stream:
-    """Append a user turn (optional image first, then text) and open the assistant turn."""
-    head = [fmt.im_start, *_text(processor, "user\n")]
+    """Append a user turn (optional image first, then text) and open the assistant turn.
+    `texts` keeps the tokens of each text seen (a rollout's recurring lines are encoded once)."""
+    head = [fmt.im_start, *_text(processor, "user\n", texts)]
     vision, vision_types = [], []
     if image is not None:
         n = image.n_patches // fmt.merge**2
         vision = [fmt.vision_start, *[fmt.image_pad] * n, fmt.vision_end]
         vision_types = [0, *[1] * n, 0]
-    tail = [*_text(processor, text), fmt.im_end, *fmt.newline, fmt.im_start]
-    tail += _text(processor, "assistant\n")
+    tail = [*_text(processor, text, texts), fmt.im_end, *fmt.newline, fmt.im_start]
+    tail += _text(processor, "assistant\n", texts)
     tokens = head + vision + tail
     types = [0] * len(head) + vision_types + [0] * len(tail)
     return _append(stream, tokens, types, images=(image,) if image is not None else ())

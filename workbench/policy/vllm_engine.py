@@ -79,10 +79,23 @@ def import_vllm() -> ModuleType:
 
 
 def prompt_token_ids(stream: Stream) -> list[int]:
-    """The stream's tokens with each image's run of image tokens cut to its first token."""
-    prev_T = [0, *stream.mm_types_T[:-1]]
-    return [tok for tok, kind, prev in zip(stream.tokens_T, stream.mm_types_T, prev_T)
-            if not (kind == 1 and prev == 1)]
+    """The stream's tokens with each image's run of image tokens cut to its first token (C-level
+    searches and slices between the runs: every turn rebuilds a row's whole prompt)."""
+    types_T, tokens_T = stream.mm_types_T, stream.tokens_T
+    out: list[int] = []
+    pos = 0
+    while (start := _index(types_T, 1, pos)) < len(types_T):
+        out += tokens_T[pos:start + 1]
+        pos = _index(types_T, 0, start)
+    return out + tokens_T[pos:]
+
+
+def _index(values: list[int], value: int, start: int) -> int:
+    """The first index of `value` in values[start:], or len(values) if none."""
+    try:
+        return values.index(value, start)
+    except ValueError:
+        return len(values)
 
 
 def expand_image_pads(token_ids: list[int], images: tuple[VisionInput, ...], fmt: ChatFormat

@@ -24,7 +24,7 @@ from workbench.envs.env import budget_text
 from workbench.policy import Stream, chat_format, start_stream
 from workbench.policy.engine import EngineSettings
 from workbench.policy.vllm_engine import DEFAULT_MAX_LEN, model_max_len
-from workbench.rl.rollout import observe
+from workbench.rl.rollout import ObserveCache, observe
 from workbench.rl.schedule import step_mazes
 
 
@@ -73,12 +73,12 @@ def worst_case_tokens(config: Any, processor: Any) -> int:
     task, g, fmt = config.task, config.generator, chat_format(processor)
     env = task.make_env()
     obs, info = env.reset(options={"init_state": step_mazes(config, 1)[0]})
-    images: dict = {}
+    cache = ObserveCache()
     first = len(observe(start_stream(processor, fmt, task.rules()), processor, fmt, obs, info,
-                        task, images))
+                        task, cache))
     obs, _, _, _, info = env.step("?")
     later = sum(len(observe(Stream(), processor, fmt, obs,
-                            info | {"budget_text": budget_text(turn, g.max_turns)}, task, images))
+                            info | {"budget_text": budget_text(turn, g.max_turns)}, task, cache))
                 for turn in range(1, g.max_turns))
     return first + later + g.max_turns * (g.max_tokens + 1 + len(fmt.newline))
 

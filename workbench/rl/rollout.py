@@ -31,6 +31,7 @@ from workbench.policy import (
     Completion,
     SamplingParams,
     Stream,
+    VisionInput,
     append_reply,
     append_user,
     chat_format,
@@ -91,23 +92,30 @@ def user_text(obs: dict[str, Any], info: dict[str, Any], config: Task) -> str:
     return " ".join(parts)
 
 
-def observe(stream: Stream, processor: Any, fmt: Any, obs: dict, info: dict,
-            config: Task, cache: dict | None = None) -> Stream:
-    """Append the user turn for an observation: its image (if shown) and user_text.
+@dataclass
+class ObserveCache:
+    """What `observe` computed once in a rollout and reuses: the processed pixels of each distinct
+    image (by its bytes' digest: the G episodes of one maze standing on the same square share
+    them) and the tokens of each distinct text (the feedback and turn-budget lines recur)."""
 
-    `cache` (image bytes digest -> VisionInput) shares the processed pixels of identical
-    images, e.g. the G episodes of one maze standing on the same square."""
+    images: dict[bytes, VisionInput] = field(default_factory=dict)
+    texts: dict[str, list[int]] = field(default_factory=dict)
+
+
+def observe(stream: Stream, processor: Any, fmt: Any, obs: dict, info: dict,
+            config: Task, cache: ObserveCache | None = None) -> Stream:
+    """Append the user turn for an observation: its image (if shown) and user_text. `cache`
+    shares the pixels and tokens of earlier observations of the rollout."""
     image = None
     if config.observation == "image":
-        key = hashlib.sha1(obs["image"].tobytes()).digest()
-        if cache is None or key not in cache:
+        key = hashlib.sha1(np.ascontiguousarray(obs["image"]).data).digest()
+        image = cache.images.get(key) if cache is not None else None
+        if image is None:
             image = encode_image(processor, obs["image"])
             if cache is not None:
-                cache[key] = image
-        if image is None:  # cached by an earlier call
-            assert cache is not None
-            image = cache[key]
-    return append_user(stream, processor, fmt, user_text(obs, info, config), image)
+                cache.images[key] = image
+    return append_user(stream, processor, fmt, user_text(obs, info, config), image,
+                       cache.texts if cache is not None else None)
 
 
 def record_step(ep: Episode, env: TaskEnv, reply: str) -> tuple[dict, dict]:
@@ -151,11 +159,11 @@ def play_model(
     envs: list[TaskEnv] = []
     episodes: list[Episode] = []
     first_streams: list[Stream] = []
-    images: dict = {}
+    cache = ObserveCache()
     for state in init_states_P:
         env = config.make_env()
         obs, info = env.reset(options={"init_state": state})
-        first_streams.append(observe(system, lm.processor, fmt, obs, info, config, images))
+        first_streams.append(observe(system, lm.processor, fmt, obs, info, config, cache))
         for _ in range(n):
             env = config.make_env()
             env.reset(options={"init_state": state})
@@ -175,7 +183,7 @@ def play_model(
         streams[i] = append_reply(streams[i], fmt, done.tokens, done.logprobs)
         obs, info = record_step(episodes[i], envs[i], reply)
         if not envs[i].done:
-            streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config, images)
+            streams[i] = observe(streams[i], lm.processor, fmt, obs, info, config, cache)
         episodes[i].stream = streams[i]
         if envs[i].done:
             return None
