@@ -10,9 +10,13 @@
 - AdamW: one step fused against the per-tensor loop.
 - serving: the OpenAI endpoint on Ray Serve, requests/s and latency, with adapter switching.
 - ray: the step in-process against a local Ray instance, and its rollout on 1 against 2 engines.
+- glue: the workbench's own work in a rollout through vLLM at the 8B shape (8 mazes x 8 samples,
+  15 turns, 8-token replies), with generation free: `rollout.play_model` over an engine that
+  streams rows as `VLLMEngine.stream` does, builds each request's prompt (`vllm_prompt`) and
+  answers at once.
 
     python -m benchmarks.bench                 # everything (make bench)
-    python -m benchmarks.bench core serving    # some parts: core | serving | ray
+    python -m benchmarks.bench core serving    # some parts: core | serving | ray | glue
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -327,7 +332,59 @@ def print_core() -> None:
           f"per-tensor loop {1e3 * o['loop']:.1f} ms, fused {1e3 * o['fused']:.1f} ms")
 
 
-PARTS = {"core": print_core, "serving": print_serving, "ray": print_ray}
+class InstantEngine:
+    """An engine that answers every request at once with `reply` (token ids above the shape's
+    tiny vocabulary: unparseable, as a random model's), streaming each row's next turn as
+    `VLLMEngine.stream` does and building the prompt vLLM would be sent for it."""
+
+    name, samples_own_weights = "instant", True
+
+    def __init__(self, reply: list[int]) -> None:
+        self.reply = reply
+
+    def play_rows(self, prompts_P: list, n: int, params: SamplingParams, generator: Any,
+                  step_row: Any) -> None:
+        from workbench.policy import Completion
+        from workbench.policy.vllm_engine import vllm_prompt
+
+        pil_cache: dict[int, Any] = {}
+        queue = [(row, stream) for row, stream in enumerate(s for s in prompts_P for _ in range(n))]
+        while queue:
+            row, stream = queue.pop(0)
+            vllm_prompt(stream, pil_cache)
+            grown = step_row(row, Completion(self.reply, [-1.0] * len(self.reply), "length"))
+            if grown is not None:
+                queue.append((row, grown))
+
+
+def bench_rollout_glue(repeats: int = 3) -> dict[str, float]:
+    """Median seconds of `play_model` at the 8B shape's rollout (its processor: the 8B shape's
+    tokenizer and image settings, on `qwen3-vl-small-shape`'s weights) over `InstantEngine`."""
+    from workbench.config import PRESETS
+    from workbench.model.presets import build_random
+    from workbench.rl.rollout import play_model
+
+    lm = build_random("qwen3-vl-small-shape", torch.float32, "cpu")
+    task, params = PRESETS["seed_gpu"].task, SamplingParams(max_tokens=8, temperature=1.0)
+    engine = InstantEngine(list(range(151000, 151008)))
+    states = eval_set(task.size, 8)
+
+    def run() -> None:
+        play_model(lm, task, states, 8, params, torch.Generator().manual_seed(0), engine)
+
+    run()
+    return {"rollout_s": _median_time(run, repeats), "episodes": 64.0, "turns": 15.0}
+
+
+def print_glue() -> None:
+    """Run bench_rollout_glue and print its figure."""
+    torch.set_num_threads(2)
+    g = bench_rollout_glue()
+    print(f"rollout glue (8B shape's rollout, 64 episodes x 15 turns, generation free), median "
+          f"of 3: {g['rollout_s']:.2f} s")
+
+
+PARTS = {"core": print_core, "serving": print_serving, "ray": print_ray, "glue": print_glue}
 
 
 def main(argv: list[str]) -> None:

@@ -284,13 +284,17 @@ def kernel_family(name: str) -> str:
 
 
 def profile_update(trainer: Any, config: Any, calls: int) -> dict[str, Any]:
-    """`calls` forward_backward calls of a fresh rollout's datums (`algorithm.minibatch` each)
-    under torch.profiler: their wall seconds, the GPU's kernel seconds, the share idle, and the
-    kernel families and kernels that take the most GPU time. The gradients are dropped."""
+    """`calls` forward_backward calls of a fresh rollout's datums (`algorithm.minibatch` each),
+    run in this thread (`session.host.forward`, in-process sessions) under torch.profiler:
+    their wall seconds, the GPU's kernel seconds, the share idle, the kernel families and
+    kernels that take the most GPU time, the operators that take the most CPU time, and the
+    allocator's retries (a full cache freed: a device sync) so far. The gradients are
+    dropped."""
     from torch.profiler import ProfilerActivity, profile
 
     from workbench.rl import phases
     from workbench.rl.schedule import step_batch, step_update
+    from workbench.session.host import forward
 
     client, step = trainer.training_client, trainer.step + 1
     ro = phases.rollout(client.save_weights_and_get_sampling_client(), step_batch(config, step))
@@ -298,13 +302,13 @@ def profile_update(trainer: Any, config: Any, calls: int) -> dict[str, Any]:
                             ro.episodes_P_G)
     datums, m = phases.make_datums(ro, adv), config.algorithm.minibatch
     loss = step_update(config, step).loss
-    cuda = torch.cuda.is_available()
-    client.forward_backward(datums[:m], "ppo", loss).result()  # warm
+    cuda, model_host = torch.cuda.is_available(), trainer.session.host
+    forward(model_host, datums[:m], "ppo", loss, True)  # warm
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof:  # in this thread: its CPU operators recorded
         start = time.perf_counter()
         for i in range(calls):
-            client.forward_backward(datums[i * m:(i + 1) * m], "ppo", loss).result()
+            forward(model_host, datums[i * m:(i + 1) * m], "ppo", loss, True)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
@@ -317,8 +321,12 @@ def profile_update(trainer: Any, config: Any, calls: int) -> dict[str, Any]:
     for name, times in kernels.items():
         families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + sum(times)
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
+    cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
     return {"calls": calls, "datums_per_call": m, "wall_s": wall, "gpu_kernel_s": gpu,
-            "gpu_idle_share": 1 - gpu / wall,
+            "gpu_idle_share": 1 - gpu / wall if cuda else None, "alloc_retries": retries,
+            "top_cpu_ops": [[e.key[:80], round(e.self_cpu_time_total / 1e6, 4), e.count]
+                            for e in cpu],
             "families_s": dict(sorted(families.items(), key=lambda kv: -kv[1])[:12]),
             "top_kernels": [[name[:100], round(sum(t), 4), len(t)] for name, t in top]}
 
@@ -409,6 +417,8 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
             log(f"numerics: {json.dumps(summary['numerics'])}")
             save(summary, args.out)
         if args.profile:
+            if host is None:
+                raise SystemExit("--profile runs the host's calls: use --backend inprocess")
             summary["profile"] = profile_update(trainer, config, args.profile)
             if host is not None:
                 host.optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ import pytest
 
 from benchmarks import gpu, scale
 from workbench.config import PRESETS, apply_overrides
+from workbench.envs import eval_set
 from workbench.loggers import read_metrics
 
 SMALL = ["--model", "tiny", "--device", "cpu", "--mazes", "2", "--group", "2", "--turns", "2"]
@@ -17,7 +18,7 @@ SMALL = ["--model", "tiny", "--device", "cpu", "--mazes", "2", "--group", "2", "
 def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> None:
     lines: list[str] = []
     summary = gpu.bench([*SMALL, "--steps", "1", "--eval", "--decode", "3", "--numerics",
-                         "--workdir",
+                         "--profile", "1", "--workdir",
                          str(tmp_path), "--out", str(tmp_path / "summary.json"),
                          "eval.n_mazes=2", "eval.sampled_passes=0"], log=lines.append)
     assert summary["steps"] == 1 and summary["config"]["engine"] == "transformers"
@@ -37,6 +38,10 @@ def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> Non
     assert grad["tokens"] == no_grad["tokens"] > 0
     assert grad["kl_sampler_trainer"] == pytest.approx(no_grad["kl_sampler_trainer"], abs=1e-9)
     assert abs(grad["kl_sampler_trainer"]) < 1e-6 and grad["clip_fraction"] == 0.0
+    # --profile: one call of the host's, its CPU operators (no GPU kernels on a CPU)
+    profile = summary["profile"]
+    assert profile["calls"] == 1 and profile["wall_s"] > 0 and profile["top_kernels"] == []
+    assert any(name.startswith("aten::") for name, _, _ in profile["top_cpu_ops"])
 
 
 def test_the_update_mfu_counts_four_flops_a_text_weight_a_token() -> None:
@@ -105,3 +110,24 @@ def test_the_turns_fit_of_a_line_and_of_a_square() -> None:
     assert square["increment_ratio"] == pytest.approx(5 / 3)
     assert square["ratio_last_first"] == pytest.approx(9.0)
     assert square["quad_share_at_last"] == pytest.approx(1.0)
+
+
+def test_the_glue_engine_plays_every_turn_of_the_8b_shapes_rollout() -> None:
+    """`bench glue`'s engine: unparseable replies at once, so every episode plays all its turns,
+    through the 8B shape's processor (64 image tokens a 225 px maze)."""
+    import torch
+
+    from benchmarks.bench import InstantEngine
+    from workbench.model.presets import build_random
+    from workbench.policy import SamplingParams
+    from workbench.rl.rollout import play_model
+
+    lm = build_random("qwen3-vl-small-shape", torch.float32, "cpu")
+    task = apply_overrides(PRESETS["seed_gpu"], ["generator.max_turns=3"]).task
+    reply = list(range(151000, 151008))
+    episodes = play_model(lm, task, eval_set(9, 2), 2, SamplingParams(max_tokens=8),
+                          torch.Generator().manual_seed(0), InstantEngine(reply))
+    flat = [ep for group in episodes for ep in group]
+    assert len(flat) == 4 and all(ep.turns == 3 for ep in flat)
+    assert all(ep.sampled_tokens == [reply] * 3 for ep in flat)
+    assert all(ep.stream.mm_types_T.count(1) == 3 * 64 for ep in flat)
