@@ -63,3 +63,23 @@ def test_a_reply_word_reads_as_its_tool_call(tiny_dir: Path) -> None:
         assert parsed(word + "<|im_end|>")["tool_calls"] == [
             {"type": "function", "function": {"name": word, "arguments": {}}}]
     assert parsed("hello<|im_end|>") == {"role": "assistant", "content": "hello"}
+
+
+def test_the_gpu_run_hands_vllm_one_pad_per_image(tiny_dir: Path) -> None:
+    """benchmarks/trl_gpu.py's patch of TRL 1.16 (issue #6294): each image's run of pads cut to
+    one, exactly what the workbench's own vLLM engine sends for the same stream."""
+    from benchmarks.trl_gpu import one_pad_per_image
+    from workbench.policy.vllm_engine import prompt_token_ids
+
+    processor = tool_processor(tiny_dir)
+    fmt, env = chat_format(processor), MazeEnv(TASK)
+    obs, info = env.reset(options={"init_state": eval_set(5, 1)[0]})
+    stream = start_stream(processor, fmt, system_prompt(TASK))
+    for move in ("right", "down"):
+        stream = append_user(stream, processor, fmt, user_text(obs, info, TASK),
+                             encode_image(processor, obs["image"]))
+        reply = processor.tokenizer.encode(move) + [fmt.im_end]
+        stream = append_reply(stream, fmt, reply, [0.0] * len(reply))
+        obs, _, _, _, info = env.step(move)
+    cut = one_pad_per_image(stream.tokens_T, fmt.image_pad)
+    assert cut == prompt_token_ids(stream) and cut.count(fmt.image_pad) == 2
