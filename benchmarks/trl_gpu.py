@@ -36,7 +36,7 @@ no gradient checkpointing, vLLM in the trainer's process at gpu_memory_utilizati
 - One patch of TRL (`one_pad_per_image`; `--stock-vllm-prompts` runs without it): TRL 1.16.0
   hands vLLM the processor's token ids, each image's <|image_pad|> already expanded to its 64
   tokens, and vLLM's Qwen3-VL processor expands pads again: the first pad of a prompt becomes 64
-  more, and every further image of the prompt is matched inside that same run (TRL issue #6294;
+  more, and every further image of the prompt is matched inside that same run (huggingface/trl#6294;
   fixes open as PRs #6718 and #6719, tool images included). The patch cuts each run to one pad
   before `VLLMGeneration.generate`, as those PRs and the workbench's own engine do, so vLLM sees
   the episode the trainer trains on. TRL's training forward is untouched.
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-is-correction", action="store_true",
                     help="vllm_importance_sampling_correction=False")
     ap.add_argument("--stock-vllm-prompts", action="store_true",
-                    help="hand vLLM TRL 1.16's expanded image pads (issue #6294), unpatched")
+                    help="hand vLLM TRL 1.16's expanded image pads (huggingface/trl#6294), unpatched")
     args = ap.parse_args(argv)
     cfg = TrlGpuConfig(**SMOKE) if args.smoke else TrlGpuConfig()
     given = {k: getattr(args, k) for k in TUNABLE if getattr(args, k) is not None}
