@@ -376,7 +376,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-is-correction", action="store_true",
                     help="vllm_importance_sampling_correction=False")
     ap.add_argument("--stock-vllm-prompts", action="store_true",
-                    help="hand vLLM TRL 1.16's expanded image pads (huggingface/trl#6294), unpatched")
+                    help="hand vLLM TRL 1.16's expanded image pads, unpatched "
+                         "(huggingface/trl#6294)")
     args = ap.parse_args(argv)
     cfg = TrlGpuConfig(**SMOKE) if args.smoke else TrlGpuConfig()
     given = {k: getattr(args, k) for k in TUNABLE if getattr(args, k) is not None}
