@@ -242,6 +242,19 @@ def rollout_pace(trainer: Any, host: Any, config: Any, args: argparse.Namespace,
         "by_turns_over_anchor": med["by_turns"] / med["anchor"]}
 
 
+def fresh_datums(trainer: Any, config: Any) -> list[Any]:
+    """The datums of one fresh rollout of the live run's next step (its batch, its sampler's
+    weights, its advantages), for the parts that score or profile the update."""
+    from workbench.rl import phases
+    from workbench.rl.schedule import step_batch
+
+    client, step = trainer.training_client, trainer.step + 1
+    ro = phases.rollout(client.save_weights_and_get_sampling_client(), step_batch(config, step))
+    adv = phases.advantages(phases.score(ro).rewards_P_G, config.algorithm.advantage,
+                            ro.episodes_P_G)
+    return phases.make_datums(ro, adv)
+
+
 def numerics(trainer: Any, config: Any, minibatch: int) -> dict[str, Any]:
     """One fresh rollout's datums scored twice against the sampler's log-probs: by the update's
     own forward (grad on: the compiled layers, FP8 with speed.fp8_base) and by the forward
@@ -250,13 +263,10 @@ def numerics(trainer: Any, config: Any, minibatch: int) -> dict[str, Any]:
     from dataclasses import replace
 
     from workbench.rl import phases
-    from workbench.rl.schedule import step_batch, step_update
+    from workbench.rl.schedule import step_update
 
     client, step = trainer.training_client, trainer.step + 1
-    ro = phases.rollout(client.save_weights_and_get_sampling_client(), step_batch(config, step))
-    adv = phases.advantages(phases.score(ro).rewards_P_G, config.algorithm.advantage,
-                            ro.episodes_P_G)
-    datums = phases.make_datums(ro, adv)
+    datums = fresh_datums(trainer, config)
     loss = replace(step_update(config, step).loss, tis_cap=0.0)  # PPO's ratio to the sampler
     out: dict[str, Any] = {}
     for name, call in (("with_grad", client.forward_backward), ("no_grad_bf16", client.forward)):
@@ -269,13 +279,14 @@ def numerics(trainer: Any, config: Any, minibatch: int) -> dict[str, Any]:
 
 
 def kernel_family(name: str) -> str:
-    """A CUDA kernel's family, for the profile's summary: GEMM (bf16 or FP8), attention,
-    elementwise (compiled by inductor: triton_*), copy, or the name's head."""
+    """A CUDA kernel's family, for the profile's summary: GEMM (cuBLAS names no dtype the same
+    way across kernels, so bf16 and FP8 GEMMs are one family; the top kernels tell them apart),
+    attention, elementwise (compiled by inductor: triton_*), copy, or the name's head."""
     low = name.lower()
     if "flash" in low or "fmha" in low or "attention" in low:
         return "attention"
     if "gemm" in low or "cutlass" in low or "sm90_xmma" in low or "nvjet" in low:
-        return "gemm_fp8" if "e4m3" in low or "f8" in low else "gemm"
+        return "gemm"
     if low.startswith("triton_"):
         return "triton (compiled elementwise)"
     if "copy" in low or "memcpy" in low or "memset" in low:
@@ -292,16 +303,11 @@ def profile_update(trainer: Any, config: Any, calls: int) -> dict[str, Any]:
     dropped."""
     from torch.profiler import ProfilerActivity, profile
 
-    from workbench.rl import phases
-    from workbench.rl.schedule import step_batch, step_update
+    from workbench.rl.schedule import step_update
     from workbench.session.host import forward
 
-    client, step = trainer.training_client, trainer.step + 1
-    ro = phases.rollout(client.save_weights_and_get_sampling_client(), step_batch(config, step))
-    adv = phases.advantages(phases.score(ro).rewards_P_G, config.algorithm.advantage,
-                            ro.episodes_P_G)
-    datums, m = phases.make_datums(ro, adv), config.algorithm.minibatch
-    loss = step_update(config, step).loss
+    datums, m = fresh_datums(trainer, config), config.algorithm.minibatch
+    loss = step_update(config, trainer.step + 1).loss
     cuda, model_host = torch.cuda.is_available(), trainer.session.host
     forward(model_host, datums[:m], "ppo", loss, True)  # warm
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -319,7 +325,8 @@ def profile_update(trainer: Any, config: Any, calls: int) -> dict[str, Any]:
     gpu = sum(sum(v) for v in kernels.values())
     families: dict[str, float] = {}
     for name, times in kernels.items():
-        families[kernel_family(name)] = families.get(kernel_family(name), 0.0) + sum(times)
+        family = kernel_family(name)
+        families[family] = families.get(family, 0.0) + sum(times)
     top = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:15]
     cpu = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:15]
     retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else 0
@@ -420,8 +427,7 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
             if host is None:
                 raise SystemExit("--profile runs the host's calls: use --backend inprocess")
             summary["profile"] = profile_update(trainer, config, args.profile)
-            if host is not None:
-                host.optimizer.zero_grad(set_to_none=True)
+            host.optimizer.zero_grad(set_to_none=True)
             log(f"profile: {json.dumps(summary['profile'])}")
             save(summary, args.out)
         if args.then_off_policy:  # the fill step, the timed lagged steps, the drain step
