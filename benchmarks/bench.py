@@ -109,20 +109,21 @@ def _update(tc, datums):
 def bench_distinct_images(repeats: int = 3) -> dict[str, float]:
     """Median seconds of the same update (8 mazes x 8 samples of one rollout, all 64 episodes,
     LoRA 32 with the vision tower) with each distinct image encoded once, and with every
-    occurrence encoded (the code before: `takes_encoder_outputs` patched to False here)."""
+    occurrence encoded (`forward.distinct` patched to find no two images equal)."""
     import workbench.policy.forward as forward
 
     session, datums = _update_batch()
     tc = session.training_client
     images = [img for d in datums for img in d.stream.images]
     out = {"images": len(images), "distinct_images": len(forward.distinct(images)[0])}
-    original = forward.takes_encoder_outputs
-    for label, takes in (("every_occurrence", lambda cls: False), ("distinct", original)):
-        forward.takes_encoder_outputs = takes
+    original = forward.distinct
+    every = (lambda imgs: (imgs, list(range(len(imgs)))))  # noqa: E731  no two images equal
+    for label, fn in (("every_occurrence", every), ("distinct", original)):
+        forward.distinct = fn
         try:
             out[label] = _median_time(lambda: _update(tc, datums), repeats)
         finally:
-            forward.takes_encoder_outputs = original
+            forward.distinct = original
     session.close()
     return out
 

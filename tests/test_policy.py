@@ -311,6 +311,11 @@ def test_token_logprobs_is_padding_invariant(tiny, fmt: ChatFormat, pad_id: int)
     assert torch.allclose(alone, batched, atol=1e-4)
 
 
+def every_occurrence(images: list) -> tuple[list, list[int]]:
+    """`forward.distinct` as if no two images were equal: every occurrence encoded."""
+    return images, list(range(len(images)))
+
+
 def test_distinct_images_are_encoded_once_with_the_same_result(tiny_dir: Path, monkeypatch,
                                                               fmt: ChatFormat,
                                                               pad_id: int) -> None:
@@ -324,9 +329,11 @@ def test_distinct_images_are_encoded_once_with_the_same_result(tiny_dir: Path, m
         stream, env = _first_stream(lm, fmt, seed=0)
         stream = append_reply(stream, fmt, [fmt.im_end], [0.0])
         streams.append(_next_turn(lm, fmt, stream, env, reply))
-    batch = forward.make_batch(lm.model, streams, pad_id, left=False, distinct_images=True)
-    assert batch.image_index_N[0] == batch.image_index_N[2] == 0
-    assert batch.pixel_values.shape[0] < sum(len(s.images) for s in streams) * 49
+    images = [img for s in streams for img in s.images]
+    kept, index_N = forward.distinct(images)
+    assert index_N[0] == index_N[2] == 0 and len(kept) < len(images)
+    rows_R = forward.feature_rows(kept, index_N, forward.vision_merge(lm.model))
+    assert len(rows_R) == sum(img.n_patches // forward.vision_merge(lm.model)**2 for img in images)
 
     def logprobs_and_grads() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         lm.model.zero_grad(set_to_none=True)
@@ -336,7 +343,7 @@ def test_distinct_images_are_encoded_once_with_the_same_result(tiny_dir: Path, m
         return torch.cat(logps).detach(), grads
 
     once, grads_once = logprobs_and_grads()
-    monkeypatch.setattr(forward, "takes_encoder_outputs", lambda cls: False)
+    monkeypatch.setattr(forward, "distinct", every_occurrence)
     every, grads_every = logprobs_and_grads()
     assert torch.allclose(once, every, atol=1e-6)
     assert grads_once.keys() == grads_every.keys() and any("visual" in n for n in grads_once)

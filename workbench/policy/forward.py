@@ -5,21 +5,22 @@ sampling temperature, the banned (vision special) tokens removed, log-softmax. T
 reports it for every token it draws; the trainer recomputes it over the same stream. Before any
 update the two agree within float tolerance (tests/test_policy.py pins it).
 
-The trainer's batches encode each distinct image once (`make_batch(..., distinct_images=True)`):
-the G episodes of a maze see the same squares again and again, and the vision tower's features
-of an image do not depend on where it sits. Its output is handed to the model as
-`mm_encoder_outputs` (transformers >= 5.20), each image's features repeated where it occurs, so
-the gradient of a repeated image is the sum over its uses, as without the sharing.
+The trainer runs the decoder on inputs it builds itself (`decoder_inputs`): each distinct image
+(same pixels and grid) goes through the vision tower once, since the G episodes of a maze see the
+same squares again and again and an image's features do not depend on where it sits; its
+features are repeated to every occurrence and put in place of the image's pad tokens, as
+transformers' own Qwen3-VL forward does. The gradient of a repeated image is the sum over its
+uses, as without the sharing, and no transformers version is needed beyond the decoder's own
+DeepStack inputs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import inspect
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from workbench.policy.stream import Stream, VisionInput
@@ -33,12 +34,10 @@ class Batch:
     attention_mask_BL: torch.Tensor | None
     mm_types_BL: torch.Tensor
     position_ids_3BL: torch.Tensor  # M-RoPE positions (temporal, height, width)
-    pixel_values: torch.Tensor | None  # all images, stream order then image order (or distinct)
+    pixel_values: torch.Tensor | None  # all images, stream order then image order
     grid_thw_N3: torch.Tensor | None
     lengths_B: list[int]
     left_padded: bool
-    image_index_N: list[int] | None = None
-    # distinct images: pixel_values/grid hold each once, occurrence n is image image_index_N[n]
 
 
 def base_model(model: Any) -> Any:
@@ -59,33 +58,35 @@ as step lengths come and go. Eager models keep their exact lengths (and GEMM sha
 
 
 def make_batch(model: Any, streams: list[Stream], pad_id: int, left: bool,
-               distinct_images: bool = False, multiple: int = 1) -> Batch:
+               multiple: int = 1) -> Batch:
     """Pad streams to one batch (left padding for sampling, right for training) of a length that
-    is a multiple of `multiple`; with `distinct_images`, equal images (same pixels) are encoded
-    once (see the module docstring)."""
+    is a multiple of `multiple`."""
     ids, mask, types, lengths = token_tables(streams, pad_id, left, multiple)
     images = [img for s in streams for img in s.images]
-    grid = torch.stack([i.grid_thw for i in images]) if images else None
-    positions, _ = core_model(model).get_rope_index(
-        ids, mm_token_type_ids=types, image_grid_thw=grid, attention_mask=mask
-    )
-    index = None
-    # (a class is hashable; mypy's Hashable check rejects type[...] for functools.cache)
-    if images and distinct_images and takes_encoder_outputs(type(core_model(model))):  # type: ignore[arg-type]
-        images, index = distinct(images)
-    pixels = torch.cat([i.pixel_values for i in images]) if images else None
+    positions = rope_positions(model, ids, types, images, mask)
     device = model.device
     return Batch(
         input_ids_BL=ids.to(device),
         attention_mask_BL=mask.to(device),
         mm_types_BL=types.to(device),
         position_ids_3BL=positions.to(device),
-        pixel_values=pixels.to(device, model.dtype) if pixels is not None else None,
+        pixel_values=torch.cat([i.pixel_values for i in images]).to(device, model.dtype)
+        if images else None,
         grid_thw_N3=torch.stack([i.grid_thw for i in images]).to(device) if images else None,
         lengths_B=lengths,
         left_padded=left,
-        image_index_N=index,
     )
+
+
+def rope_positions(model: Any, ids_BL: torch.Tensor, types_BL: torch.Tensor,
+                   images: list[VisionInput], mask_BL: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The M-RoPE positions (3, B, L) of padded token ids holding these images' pads, in order
+    (the model's own rule, on the CPU tensors given)."""
+    grid = torch.stack([i.grid_thw for i in images]) if images else None
+    positions, _ = core_model(model).get_rope_index(
+        ids_BL, mm_token_type_ids=types_BL, image_grid_thw=grid, attention_mask=mask_BL)
+    return positions
 
 
 def token_tables(streams: list[Stream], pad_id: int, left: bool, multiple: int = 1
@@ -130,24 +131,42 @@ def distinct(images: list[VisionInput]) -> tuple[list[VisionInput], list[int]]:
     return kept, index_N
 
 
-@cache
-def takes_encoder_outputs(model_class: type[torch.nn.Module]) -> bool:
-    """Whether this Qwen3-VL model class takes precomputed `mm_encoder_outputs` (transformers
-    >= 5.20); older versions get every image's pixels instead."""
-    return "mm_encoder_outputs" in inspect.signature(model_class.forward).parameters
+def decoder_inputs(model: Any, ids_BL: torch.Tensor, images: list[VisionInput]
+                   ) -> dict[str, Any]:
+    """The decoder's (`language_model`'s) inputs for token ids ids_BL (CPU) holding the pads of
+    `images`, in order: token embeddings with each image's features in place of its pads, the
+    pads' mask, and the DeepStack features at them. Each distinct image is encoded once (the
+    module docstring); ValueError when the pads and the images' tokens differ in number."""
+    core = core_model(model)
+    device = model.device
+    embeds_BLD = core.get_input_embeddings()(ids_BL.to(device))
+    if not images:
+        return {"inputs_embeds": embeds_BLD}
+    kept, index_N = distinct(images)
+    merge = vision_merge(model)
+    rows_R = feature_rows(kept, index_N, merge)
+    pad_BL = ids_BL == core.config.image_token_id
+    if int(pad_BL.sum()) != len(rows_R):
+        raise ValueError(f"{int(pad_BL.sum())} image pad tokens for {len(images)} images of "
+                         f"{len(rows_R)} tokens: the stream and its images disagree")
+    vision = core.visual(torch.cat([i.pixel_values for i in kept]).to(device, core.visual.dtype),
+                         grid_thw=torch.stack([i.grid_thw for i in kept]).to(device),
+                         return_dict=True)
+    rows_R = rows_R.to(device)
+    pad_BL = pad_BL.to(device)
+    features_RD = vision.pooler_output[rows_R].to(embeds_BLD.dtype)
+    return {"inputs_embeds": embeds_BLD.masked_scatter(pad_BL.unsqueeze(-1), features_RD),
+            "visual_pos_masks": pad_BL,
+            "deepstack_visual_embeds": [f[rows_R] for f in vision.deepstack_features]}
 
 
-def vision_inputs(model: Any, batch: Batch) -> dict[str, Any]:
-    """The image arguments of a forward over `batch`: its pixels, or (distinct images) the
-    vision tower's output on them, repeated to every occurrence, as mm_encoder_outputs."""
-    if batch.image_index_N is None:
-        return {"pixel_values": batch.pixel_values, "image_grid_thw": batch.grid_thw_N3}
-    enc = core_model(model).get_image_features(batch.pixel_values, batch.grid_thw_N3,
-                                               return_dict=True)
-    index = batch.image_index_N
-    enc.pooler_output = [enc.pooler_output[i] for i in index]
-    enc.deepstack_features = [[feats[i] for i in index] for feats in enc.deepstack_features]
-    return {"mm_encoder_outputs": {"image": enc}}
+def feature_rows(kept: list[VisionInput], index_N: list[int], merge: int) -> torch.Tensor:
+    """For each image occurrence in order (occurrence n is distinct image index_N[n]), the rows
+    of its features in the vision tower's output over the distinct images."""
+    sizes = np.array([img.n_patches // merge**2 for img in kept])
+    starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+    return torch.from_numpy(np.concatenate([np.arange(starts[j], starts[j] + sizes[j])
+                                            for j in index_N]))
 
 
 def forward_logits(model: Any, batch: Batch, **kwargs: Any) -> Any:
@@ -157,7 +176,8 @@ def forward_logits(model: Any, batch: Batch, **kwargs: Any) -> Any:
         attention_mask=batch.attention_mask_BL,
         position_ids=batch.position_ids_3BL,
         mm_token_type_ids=batch.mm_types_BL,
-        **vision_inputs(model, batch),
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.grid_thw_N3,
         **kwargs,
     )
 
@@ -197,15 +217,15 @@ def token_logprobs(
     if group_B and len(set(group_B)) < len(streams):
         hidden_BLD, lengths_B, ids_BL = _shared_prefix_hidden(model, streams, pad_id, p, group_B)
     else:
-        batch = make_batch(model, streams, pad_id, left=False, distinct_images=True,
-                           multiple=multiple)
+        ids_BL, _, types_BL, lengths_B = token_tables(streams, pad_id, False, multiple)
+        images = [img for s in streams for img in s.images]
+        positions_3BL = rope_positions(model, ids_BL, types_BL, images)
         # Right padding + causal attention: real tokens never see the pads, so no mask is
         # needed, and SDPA takes its fused causal kernel (identical values on real tokens).
-        hidden_BLD = base_model(model).model(
-            input_ids=batch.input_ids_BL, position_ids=batch.position_ids_3BL,
-            mm_token_type_ids=batch.mm_types_BL, use_cache=False, **vision_inputs(model, batch),
-        ).last_hidden_state
-        lengths_B, ids_BL = batch.lengths_B, batch.input_ids_BL
+        hidden_BLD = core_model(model).language_model(
+            position_ids=positions_3BL.to(model.device), use_cache=False,
+            **decoder_inputs(model, ids_BL, images)).last_hidden_state
+        ids_BL = ids_BL.to(model.device)
     if keep_B_T is not None:
         return _kept_logprobs(model, hidden_BLD, ids_BL, lengths_B, keep_B_T, temperature,
                               banned)
@@ -263,43 +283,24 @@ def _shared_prefix_hidden(model: Any, streams: list[Stream], pad_id: int, p: int
     the groups' prefixes as one batch (their KV cache kept, with grad), the cache's rows
     repeated to every stream of a group, then every stream's tokens after p on top of it."""
     ids_BL, _, types_BL, lengths_B = token_tables(streams, pad_id, left=False)
-    images = [img for s in streams for img in s.images]
-    positions_3BL, _ = core_model(model).get_rope_index(
-        ids_BL, mm_token_type_ids=types_BL,
-        image_grid_thw=torch.stack([i.grid_thw for i in images]) if images else None)
+    positions_3BL = rope_positions(model, ids_BL, types_BL,
+                                   [img for s in streams for img in s.images])
     device, merge = model.device, vision_merge(model)
-    ids_BL, types_BL, positions_3BL = ids_BL.to(device), types_BL.to(device), \
-        positions_3BL.to(device)
+    positions_3BL = positions_3BL.to(device)
     heads = sorted(set(group_B))
     row_B = torch.tensor([heads.index(g) for g in group_B], device=device)
-    text = base_model(model).model
+    text = core_model(model).language_model
     before = [len(_prefix_images(s, p, merge)) for s in streams]
-    out = text(input_ids=ids_BL[heads, :p], position_ids=positions_3BL[:, heads, :p],
-               mm_token_type_ids=types_BL[heads, :p], use_cache=True,
-               **_image_kwargs(model, [i for h in heads for i in streams[h].images[:before[h]]]))
+    out = text(position_ids=positions_3BL[:, heads, :p], use_cache=True,
+               **decoder_inputs(model, ids_BL[heads, :p],
+                                [i for h in heads for i in streams[h].images[:before[h]]]))
     cache = out.past_key_values
     cache.batch_select_indices(row_B)
-    tail = text(input_ids=ids_BL[:, p:], position_ids=positions_3BL[:, :, p:],
-                mm_token_type_ids=types_BL[:, p:], past_key_values=cache, use_cache=True,
-                **_image_kwargs(model, [i for s, n in zip(streams, before) for i in s.images[n:]]))
+    tail = text(position_ids=positions_3BL[:, :, p:], past_key_values=cache, use_cache=True,
+                **decoder_inputs(model, ids_BL[:, p:],
+                                 [i for s, n in zip(streams, before) for i in s.images[n:]]))
     hidden_BLD = torch.cat([out.last_hidden_state[row_B], tail.last_hidden_state], dim=1)
-    return hidden_BLD, lengths_B, ids_BL
-
-
-def _image_kwargs(model: Any, images: list[VisionInput]) -> dict[str, Any]:
-    """The vision arguments of a forward over these images, each distinct one encoded once."""
-    if not images:
-        return {}
-    index = None
-    if takes_encoder_outputs(type(core_model(model))):  # type: ignore[arg-type]
-        images, index = distinct(images)
-    device = model.device
-    batch = Batch(input_ids_BL=torch.empty(0), attention_mask_BL=None, mm_types_BL=torch.empty(0),
-                  position_ids_3BL=torch.empty(0),
-                  pixel_values=torch.cat([i.pixel_values for i in images]).to(device, model.dtype),
-                  grid_thw_N3=torch.stack([i.grid_thw for i in images]).to(device),
-                  lengths_B=[], left_padded=False, image_index_N=index)
-    return vision_inputs(model, batch)
+    return hidden_BLD, lengths_B, ids_BL.to(device)
 
 
 def _kept_logprobs(model: Any, hidden_BLD: torch.Tensor, ids_BL: torch.Tensor,

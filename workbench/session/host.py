@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
-from workbench.model.lora import lora_in_model_dtype
+from workbench.model.lora import adapted_layers, lora_in_model_dtype
 from workbench.model.vision import batch_vision_attention, linear_patch_embed
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.policy.engine import Engine
@@ -76,6 +76,11 @@ class ModelHost:
     # sums the gradients over data-parallel replicas before they are used (a Ray trainer worker
     # of several sets it: cluster.parallel.all_reduce_grads); None: this host is the only one
     sum_grads: Callable[[list[torch.nn.Parameter]], None] | None = None
+    # the policy's modules and its adapted layers, listed once (make_host): each update call
+    # switches train mode and peft's input cast over them; walking the module tree (3,367
+    # modules at the 8B shape) took the host about 17 ms a call while the GPU waited
+    modules: tuple[torch.nn.Module, ...] = ()
+    adapted: tuple[torch.nn.Module, ...] = ()
 
     @property
     def pad_id(self) -> int:
@@ -115,6 +120,7 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> 
     if sampler and spec.speed.cuda_graphs and spec.engine.name == "transformers" \
             and lm.model.device.type == "cuda":
         _sampler_fast_paths(host, spec.speed)
+    host.modules, host.adapted = tuple(lm.model.modules()), adapted_layers(lm.model)
     return host
 
 
@@ -329,8 +335,9 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
         return empty_output()
     trainer_weights(host)
     model = host.lm.model
-    model.train(backward)
-    with torch.set_grad_enabled(backward), lora_in_model_dtype(model, host.speed.lora_autocast):
+    set_training(host.modules, backward)
+    with torch.set_grad_enabled(backward), \
+            lora_in_model_dtype(model, host.speed.lora_autocast, host.adapted):
         streams = [d.stream for d in datums]
         keep = [[w != 0 for w in d.weights_T] for d in datums] \
             if host.speed.loss_tokens_only else None
@@ -350,11 +357,19 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
         loss = REDUCTIONS[cfg.reduction](loss_B_T, w_B_T)
         if backward:
             loss.backward()
-    model.eval()
+    set_training(host.modules, False)
     detached = [lp.detach() for lp in logp_B_T]
     metrics = {"loss": float(loss.detach())} | loss_metrics(detached, sampler_B_T, w_B_T,
                                                    [e.detach() for e in ent_B_T], cfg)
     return ForwardBackwardOutput(float(loss.detach()), metrics, [lp.tolist() for lp in detached])
+
+
+def set_training(modules: tuple[torch.nn.Module, ...], on: bool) -> None:
+    """`model.train(on)` over a model's modules listed once: each module's `training` flag
+    written straight into its __dict__ (where nn.Module keeps it), no tree walk and no
+    __setattr__ checks (0.4 ms instead of 5.5 ms at the 8B shape)."""
+    for module in modules:
+        module.__dict__["training"] = on
 
 
 def _summed_grads(host: ModelHost) -> list[torch.nn.Parameter]:
