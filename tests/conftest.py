@@ -271,6 +271,8 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
         ("slow",),  # two Python subprocesses, 6 s
     "test_cluster::test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device": ("gpu",),
     "test_demo::test_seed_table_lines": (),
+    "test_benchmarks::test_the_update_probe_times_and_traces_an_update_call_on_the_cpu":
+        ("slow",),  # 15 update calls of the tiny model, 12 s
     "test_errors::test_steps_without_an_update_log_no_loss_and_say_why_once":
         ("slow",),  # a real 2-step run, 6 s
     "test_errors::test_a_cached_hub_id_loads_offline_and_without_the_hub": ("slow",),  # 5 s

@@ -3,11 +3,12 @@ the timings `python -m workbench train` logs for it, and the scaling fit's arith
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu, scale
+from benchmarks import gpu, scale, update_probe
 from workbench.config import PRESETS, apply_overrides
 from workbench.envs import eval_set
 from workbench.loggers import read_metrics
@@ -131,3 +132,32 @@ def test_the_glue_engine_plays_every_turn_of_the_8b_shapes_rollout() -> None:
     assert len(flat) == 4 and all(ep.turns == 3 for ep in flat)
     assert all(ep.sampled_tokens == [reply] * 3 for ep in flat)
     assert all(ep.stream.mm_types_T.count(1) == 3 * 64 for ep in flat)
+
+
+def test_the_update_probe_reads_a_trace_as_a_timeline() -> None:
+    """20 ms slices: each kernel's time counts in the slice it starts in, each top-level host
+    operator in the slice it starts in; the call spans its first operator to its last end."""
+    trace = {"traceEvents": [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::cat", "ts": 1000.0, "dur": 30000.0},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::inner", "ts": 2000.0, "dur": 1000.0},
+        {"ph": "X", "cat": "kernel", "name": "k1", "ts": 26000.0, "dur": 10000.0},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "copy", "ts": 51000.0, "dur": 5000.0},
+        {"ph": "i", "cat": "kernel", "name": "instant", "ts": 3000.0}]}
+    t = update_probe.timeline(trace)
+    assert (t["first_gpu_ms"], t["gpu_busy_ms"], t["call_ms"]) == (25.0, 15.0, 55.0)
+    assert [s["gpu_busy"] for s in t["slices"]] == [0.0, 0.5, 0.25]
+    assert t["slices"][0]["host"] == [["aten::cat", 30.0]]  # aten::inner is inside it
+    assert update_probe.timeline({"traceEvents": []})["slices"] == []
+
+
+def test_the_update_probe_times_and_traces_an_update_call_on_the_cpu(tmp_path: Path) -> None:
+    """The probe's own code path on the CPU (the tiny model, eager): 3 timed repeats, a trace
+    beside its JSON, no GPU operation in it."""
+    out = update_probe.main(["--calls", "1", "--out", str(tmp_path / "probe.json"),
+                             "model.name=tiny", "model.device=cpu", "model.dtype=float32",
+                             "speed.fp8_base=false", "speed.compile_layers=false"])
+    assert len(out["call_s_repeats"]) == 3 and out["call_s"] > 0
+    assert out["tokens_per_datum"] == 1236.0  # 15 turns of the seed's 9x9 maze, tiny's tokens
+    assert out["timeline"]["first_gpu_ms"] is None and out["timeline"]["gpu_busy_ms"] == 0.0
+    assert (tmp_path / "trace.json.gz").stat().st_size > 0
+    assert json.loads((tmp_path / "probe.json").read_text())["call_s"] == out["call_s"]
