@@ -218,8 +218,8 @@ def test_compiled_layers_trace_the_fp8_path_as_one_graph(bf16_lora,
 def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
     """On the GPU: the compiled quantisation and a compiled layer give the eager FP8 path's
     log-probs and LoRA gradients within FP8's own error (inductor's fused quantisation can round
-    an element to the neighbouring e4m3 value: on the CPU's inductor, 0.043 at most), and both
-    stay near bf16's as on the CPU."""
+    an element to the neighbouring e4m3 value: the two FP8 paths may differ by as much as FP8
+    differs from bf16, no more), and both stay near bf16's as on the CPU."""
     from workbench.session.gpu import compile_for_training
 
     lm = build_random("qwen3-vl-small-shape", dtype=torch.bfloat16, device="cuda")
@@ -247,12 +247,17 @@ def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
     eager = run()
     compile_for_training(model)
     compiled = run()
-    gap = (compiled[0] - eager[0]).abs()
-    print(f"compiled vs eager FP8 log-probs: max {float(gap.max()):.3g}, median "
-          f"{float(gap.median()):.3g}")
-    assert float(gap.max()) < 0.1 and float(gap.median()) < 0.01
+    finite = eager[0].isfinite()  # the image's placeholder tokens are banned: -inf in all
+    assert torch.equal(compiled[0].isfinite(), finite) and int(finite.sum()) > 100
+    gap = (compiled[0] - eager[0])[finite].abs()
+    fp8_error = (eager[0] - bf16[0])[finite].abs()
+    print(f"log-probs, compiled vs eager FP8: max {float(gap.max()):.3g}, median "
+          f"{float(gap.median()):.3g}; eager FP8 vs bf16: max {float(fp8_error.max()):.3g}, "
+          f"median {float(fp8_error.median()):.3g}")
+    # the two FP8 paths round apart by no more than FP8 rounds from bf16
+    assert float(gap.max()) < 0.1 and float(gap.median()) <= float(fp8_error.median())
     assert float(torch.nn.functional.cosine_similarity(compiled[1], eager[1], dim=0)) > 0.99
-    assert float((eager[0] - bf16[0]).abs().median()) < 0.02
+    assert float(fp8_error.median()) < 0.02
     assert float(torch.nn.functional.cosine_similarity(eager[1], bf16[1], dim=0)) > 0.98
 
 
