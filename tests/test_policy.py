@@ -311,6 +311,23 @@ def test_token_logprobs_is_padding_invariant(tiny, fmt: ChatFormat, pad_id: int)
     assert torch.allclose(alone, batched, atol=1e-4)
 
 
+def test_an_images_digest_is_its_rgb_source_where_it_has_one(tiny) -> None:
+    """Two encodings of one RGB image are the same image; another image is not; an image
+    without its RGB source is told by its pixels, and never equals one that has it."""
+    from dataclasses import replace
+
+    from workbench.policy.forward import image_digest
+
+    obs0, _ = MazeEnv(MazeConfig(size=9)).reset(seed=0)
+    obs1, _ = MazeEnv(MazeConfig(size=9)).reset(seed=1)
+    a, b = (encode_image(tiny.processor, obs0["image"].copy()) for _ in range(2))
+    other = encode_image(tiny.processor, obs1["image"])
+    assert a is not b and image_digest(a) == image_digest(b) != image_digest(other)
+    bare_a, bare_b = replace(a, image_HW3=None), replace(b, image_HW3=None)
+    assert image_digest(bare_a) == image_digest(bare_b) != image_digest(a)
+    assert image_digest(replace(other, image_HW3=None)) != image_digest(bare_a)
+
+
 def every_occurrence(images: list) -> tuple[list, list[int]]:
     """`forward.distinct` as if no two images were equal: every occurrence encoded."""
     return images, list(range(len(images)))

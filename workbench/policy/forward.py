@@ -107,8 +107,16 @@ def token_tables(streams: list[Stream], pad_id: int, left: bool, multiple: int =
 
 
 def image_digest(image: VisionInput) -> bytes:
-    """What makes two images the same for the trainer: their pixels and grid."""
-    digest = hashlib.sha1(image.pixel_values.contiguous().numpy().tobytes())
+    """What makes two images the same for the trainer: the RGB image their pixels were made from,
+    where they carry it (`encode_image` keeps it; a tenth of the pixels' bytes at the 8B shape,
+    hashed in every update call), else their pixels; with the pixels' shape and grid either
+    way. Images of either kind are never the same as one of the other."""
+    rgb = image.image_HW3 is not None
+    source = image.pixel_values.contiguous().numpy() if image.image_HW3 is None \
+        else image.image_HW3
+    digest = hashlib.sha1(b"rgb" if rgb else b"pixels")
+    digest.update(np.ascontiguousarray(source).data)
+    digest.update(repr((source.shape, tuple(image.pixel_values.shape))).encode())
     digest.update(image.grid_thw.numpy().tobytes())
     return digest.digest()
 
