@@ -122,8 +122,8 @@ def image_digest(image: VisionInput) -> bytes:
 
 
 def distinct(images: list[VisionInput]) -> tuple[list[VisionInput], list[int]]:
-    """The distinct images (by pixel bytes and grid) in first-seen order, and for each input
-    image the index of its distinct one. Equal objects are hashed once."""
+    """The distinct images (by `image_digest`) in first-seen order, and for each input image
+    the index of its distinct one. Equal objects are hashed once."""
     digests: dict[int, bytes] = {}
     first: dict[bytes, int] = {}
     kept: list[VisionInput] = []
