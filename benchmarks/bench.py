@@ -333,10 +333,18 @@ def print_core() -> None:
           f"per-tensor loop {1e3 * o['loop']:.1f} ms, fused {1e3 * o['fused']:.1f} ms")
 
 
+def unparseable_reply(lm: Any) -> list[int]:
+    """8 reply tokens no maze grammar parses, as a random model's: ids 151000-151007 where the
+    model's embedding table holds them (the 8B shape's), else the tokens of " wait" x 8."""
+    if lm.model.get_input_embeddings().num_embeddings > 151008:
+        return list(range(151000, 151008))
+    return lm.processor.tokenizer.encode(" wait" * 8)[:8]
+
+
 class InstantEngine:
-    """An engine that answers every request at once with `reply` (token ids above the shape's
-    tiny vocabulary: unparseable, as a random model's), streaming each row's next turn as
-    `VLLMEngine.stream` does and building the prompt vLLM would be sent for it."""
+    """An engine that answers every request at once with `reply` (`unparseable_reply`),
+    streaming each row's next turn as `VLLMEngine.stream` does and building the prompt vLLM
+    would be sent for it."""
 
     name, samples_own_weights = "instant", True
 
@@ -367,7 +375,7 @@ def bench_rollout_glue(repeats: int = 3) -> dict[str, float]:
 
     lm = build_random("qwen3-vl-small-shape", torch.float32, "cpu")
     task, params = PRESETS["seed_gpu"].task, SamplingParams(max_tokens=8, temperature=1.0)
-    engine = InstantEngine(list(range(151000, 151008)))
+    engine = InstantEngine(unparseable_reply(lm))
     states = eval_set(task.size, 8)
 
     def run() -> None:

@@ -37,9 +37,8 @@ def sync() -> None:
 
 def random_datums(lm: Any, config: Any, n: int) -> list[Any]:
     """n datums of episodes played with fixed unparseable replies (every turn played, as a
-    random model's), advantages +-1 by episode. The replies are 8 tokens: ids 151000-151007
-    where the vocabulary holds them (the 8B shape's), else the tokens of " wait" x 8."""
-    from benchmarks.bench import InstantEngine
+    random model's: `bench.unparseable_reply`), advantages +-1 by episode."""
+    from benchmarks.bench import InstantEngine, unparseable_reply
     from workbench.envs import eval_set
     from workbench.policy import SamplingParams
     from workbench.rl.phases import turn_datum
@@ -47,11 +46,8 @@ def random_datums(lm: Any, config: Any, n: int) -> list[Any]:
 
     params = SamplingParams(max_tokens=8, temperature=1.0)
     states = eval_set(config.task.size, -(-n // 8))
-    tokenizer = lm.processor.tokenizer
-    reply = list(range(151000, 151008)) if len(tokenizer) > 151008 \
-        else tokenizer.encode(" wait" * 8)[:8]
     episodes = play_model(lm, config.task, states, 8, params, torch.Generator().manual_seed(0),
-                          InstantEngine(reply))
+                          InstantEngine(unparseable_reply(lm)))
     flat = [e for row in episodes for e in row][:n]
     turns = config.generator.max_turns
     return [turn_datum(e.stream, np.full(turns, 1.0 if i % 2 else -1.0))

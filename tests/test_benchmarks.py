@@ -118,14 +118,15 @@ def test_the_glue_engine_plays_every_turn_of_the_8b_shapes_rollout() -> None:
     through the 8B shape's processor (64 image tokens a 225 px maze)."""
     import torch
 
-    from benchmarks.bench import InstantEngine
+    from benchmarks.bench import InstantEngine, unparseable_reply
     from workbench.model.presets import build_random
     from workbench.policy import SamplingParams
     from workbench.rl.rollout import play_model
 
     lm = build_random("qwen3-vl-small-shape", torch.float32, "cpu")
     task = apply_overrides(PRESETS["seed_gpu"], ["generator.max_turns=3"]).task
-    reply = list(range(151000, 151008))
+    reply = unparseable_reply(lm)
+    assert reply == list(range(151000, 151008))  # the 8B shape's vocabulary holds them
     episodes = play_model(lm, task, eval_set(9, 2), 2, SamplingParams(max_tokens=8),
                           torch.Generator().manual_seed(0), InstantEngine(reply))
     flat = [ep for group in episodes for ep in group]

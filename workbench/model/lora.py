@@ -100,8 +100,8 @@ def lora_in_model_dtype(model: Any, on: bool = True, adapted: Sequence[Any] | No
     shape)."""
     import torch
 
-    dtype = next(model.parameters()).dtype
-    if not on or dtype not in (torch.bfloat16, torch.float16):
+    first = next(model.parameters())
+    if not on or first.dtype not in (torch.bfloat16, torch.float16):
         yield
         return
     adapted = adapted_layers(model) if adapted is None else adapted
@@ -109,7 +109,7 @@ def lora_in_model_dtype(model: Any, on: bool = True, adapted: Sequence[Any] | No
     for m in adapted:
         m.cast_input_dtype_enabled = False
     try:
-        with torch.autocast(next(model.parameters()).device.type, dtype=dtype):
+        with torch.autocast(first.device.type, dtype=first.dtype):
             yield
     finally:
         for m, cast in zip(adapted, casts):

@@ -6,7 +6,7 @@ reports it for every token it draws; the trainer recomputes it over the same str
 update the two agree within float tolerance (tests/test_policy.py pins it).
 
 The trainer runs the decoder on inputs it builds itself (`decoder_inputs`): each distinct image
-(same pixels and grid) goes through the vision tower once, since the G episodes of a maze see the
+(`image_digest`) goes through the vision tower once, since the G episodes of a maze see the
 same squares again and again and an image's features do not depend on where it sits; its
 features are repeated to every occurrence and put in place of the image's pad tokens, as
 transformers' own Qwen3-VL forward does. The gradient of a repeated image is the sum over its
@@ -111,10 +111,10 @@ def image_digest(image: VisionInput) -> bytes:
     where they carry it (`encode_image` keeps it; a tenth of the pixels' bytes at the 8B shape,
     hashed in every update call), else their pixels; with the pixels' shape and grid either
     way. Images of either kind are never the same as one of the other."""
-    rgb = image.image_HW3 is not None
-    source = image.pixel_values.contiguous().numpy() if image.image_HW3 is None \
-        else image.image_HW3
-    digest = hashlib.sha1(b"rgb" if rgb else b"pixels")
+    source, kind = image.image_HW3, b"rgb"
+    if source is None:
+        source, kind = image.pixel_values.contiguous().numpy(), b"pixels"
+    digest = hashlib.sha1(kind)
     digest.update(np.ascontiguousarray(source).data)
     digest.update(repr((source.shape, tuple(image.pixel_values.shape))).encode())
     digest.update(image.grid_thw.numpy().tobytes())
@@ -154,8 +154,8 @@ def decoder_inputs(model: Any, ids_BL: torch.Tensor, images: list[VisionInput]
     merge = vision_merge(model)
     rows_R = feature_rows(kept, index_N, merge)
     pad_BL = ids_BL == core.config.image_token_id
-    if int(pad_BL.sum()) != len(rows_R):
-        raise ValueError(f"{int(pad_BL.sum())} image pad tokens for {len(images)} images of "
+    if (pads := int(pad_BL.sum())) != len(rows_R):
+        raise ValueError(f"{pads} image pad tokens for {len(images)} images of "
                          f"{len(rows_R)} tokens: the stream and its images disagree")
     vision = core.visual(torch.cat([i.pixel_values for i in kept]).to(device, core.visual.dtype),
                          grid_thw=torch.stack([i.grid_thw for i in kept]).to(device),

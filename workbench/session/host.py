@@ -77,8 +77,8 @@ class ModelHost:
     # of several sets it: cluster.parallel.all_reduce_grads); None: this host is the only one
     sum_grads: Callable[[list[torch.nn.Parameter]], None] | None = None
     # the policy's modules and its adapted layers, listed once (make_host): each update call
-    # switches train mode and peft's input cast over them; walking the module tree (3,367
-    # modules at the 8B shape) took the host about 17 ms a call while the GPU waited
+    # switches train mode and peft's input cast over them instead of walking the module tree
+    # (3,367 modules at the 8B shape) while the GPU waits
     modules: tuple[torch.nn.Module, ...] = ()
     adapted: tuple[torch.nn.Module, ...] = ()
 
@@ -367,7 +367,7 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
 def set_training(modules: tuple[torch.nn.Module, ...], on: bool) -> None:
     """`model.train(on)` over a model's modules listed once: each module's `training` flag
     written straight into its __dict__ (where nn.Module keeps it), no tree walk and no
-    __setattr__ checks (0.4 ms instead of 5.5 ms at the 8B shape)."""
+    __setattr__ checks."""
     for module in modules:
         module.__dict__["training"] = on
 
