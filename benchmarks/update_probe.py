@@ -7,10 +7,14 @@ and traced, without vLLM.
         model.device=cpu model.dtype=float32 speed.fp8_base=false speed.compile_layers=false
 
 Builds the trainer side of a session host (`session.host.make_host`, FP8 base and compiled
-layers by default), warms it with 2 calls, times `--calls` calls 3 times (median wall seconds a
-call), then traces one call under torch.profiler (`trace.json.gz` beside --out) and reads the
-trace as a timeline: the GPU's busy share in 20 ms slices of the call with the host operators
-that ran in each, the time to the call's first GPU operation, and the GPU's busy total.
+layers by default) and its in-process session lane, warms it with 2 calls, times `--calls`
+calls queued back to back on the lane 3 times (median wall seconds a call: the lane launches a
+call before reading back the one before it), then traces one call under torch.profiler
+(`trace.json.gz` beside --out) and reads the trace as a timeline: the GPU's busy share in 20 ms
+slices of the call with the host operators that ran in each, the time to the call's first GPU
+operation, and the GPU's busy total. On a GPU it also lists where one call's launch still makes
+the host wait for the device (`host_waits`: torch's sync debug mode, by source line) and times
+the call's attention (forward and backward, one layer's shape) on each SDPA backend.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import gzip
 import json
 import statistics
 import time
+import traceback
+import warnings
 from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any
@@ -82,6 +88,65 @@ def timeline(trace: dict[str, Any], slice_ms: float = 20.0) -> dict[str, Any]:
             "gpu_busy_ms": sum(k["dur"] for k in gpu) / 1e3}
 
 
+def host_waits(launch: Any) -> dict[str, int]:
+    """Where launch() makes the host wait for the GPU: torch's CUDA sync debug warnings during
+    the call, counted by the innermost workbench, transformers or peft source line above them
+    (syncs in autograd's own threads are not seen from Python)."""
+    seen: Counter = Counter()
+
+    def record(message: Any, category: Any, filename: str, lineno: int, *rest: Any) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if any(k in f.filename for k in ("workbench/", "transformers/", "peft/"))]
+        where = frames[-1] if frames else None
+        seen[f"{where.filename.split('site-packages/')[-1]}:{where.lineno}" if where
+             else f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            launch()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return dict(seen.most_common())
+
+
+def attention_backends(batch: int, length: int, repeats: int = 5) -> dict[str, Any]:
+    """Forward and backward of one text layer's causal attention at an update call's shape (the
+    8B shape's 32 query and 8 KV heads of 128, bf16, GQA inside the kernel) on each SDPA backend
+    that takes it: median milliseconds and the output's largest difference from flash's."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(batch, 32, length, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(batch, 8, length, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(2))
+    grad = torch.randn_like(q)
+    out: dict[str, Any] = {}
+    reference = None
+    for name in ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION"):
+        qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
+        times = []
+        try:
+            with sdpa_kernel(getattr(SDPBackend, name)):
+                for _ in range(repeats + 1):
+                    sync()
+                    start = time.perf_counter()
+                    o = torch.nn.functional.scaled_dot_product_attention(
+                        qs, ks, vs, is_causal=True, enable_gqa=True)
+                    o.backward(grad)
+                    sync()
+                    times.append((time.perf_counter() - start) * 1e3)
+        except RuntimeError as exc:
+            out[name] = {"error": str(exc).splitlines()[0][:160]}
+            continue
+        reference = o.detach() if reference is None else reference
+        out[name] = {"ms": statistics.median(times[1:]),
+                     "max_diff_from_flash": float((o.detach() - reference).abs().max())}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="", help="JSON file (the trace goes beside it)")
@@ -93,7 +158,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     from workbench.config import PRESETS, apply_overrides
     from workbench.opener import session_spec
     from workbench.rl.schedule import step_update
-    from workbench.session.host import forward, make_host
+    from workbench.session.host import launch_forward, make_host, read_back
+    from workbench.session.inprocess import Session
 
     config = apply_overrides(PRESETS["seed_gpu"], [
         "model.name=qwen3-vl-8b-shape", "engine.name=transformers", "speed.fp8_base=true",
@@ -102,34 +168,42 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     host = make_host(session_spec(config, out_dir / "probe_run"), trainer=True, sampler=False)
+    session = Session(host)
     out: dict[str, Any] = {"overrides": args.overrides, "host_up_s": time.perf_counter() - start}
     m = config.algorithm.minibatch
     datums = random_datums(host.lm, config, m * (args.calls + 2))
     out["tokens_per_datum"] = float(np.mean([len(d.stream) for d in datums]))
     loss = step_update(config, 1).loss
 
-    def call(i: int) -> None:
-        forward(host, datums[i * m:(i + 1) * m], config.algorithm.loss, loss, True)
+    def calls(first: int, n: int) -> None:
+        tc = session.training_client
+        futures = [tc.forward_backward(datums[i * m:(i + 1) * m], config.algorithm.loss, loss)
+                   for i in range(first, first + n)]
+        for f in futures:
+            f.result()
+        sync()
 
     start = time.perf_counter()
-    call(0)
-    call(1)
-    sync()
+    calls(0, 2)
     out["warm_s"] = time.perf_counter() - start
     walls = []
     for _ in range(3):
         sync()
         start = time.perf_counter()
-        for i in range(args.calls):
-            call(i + 2)
-        sync()
+        calls(2, args.calls)
         walls.append((time.perf_counter() - start) / args.calls)
     out["call_s"] = statistics.median(walls)
     out["call_s_repeats"] = walls
+    if torch.cuda.is_available():
+        launched: list[Any] = []
+        out["host_waits"] = host_waits(lambda: launched.append(launch_forward(
+            host, datums[2 * m:3 * m], config.algorithm.loss, loss, True)))
+        read_back(launched[0])
+        out["attention_ms"] = attention_backends(m, int(out["tokens_per_datum"]))
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA]
                                            if torch.cuda.is_available() else [])
-    with profile(activities=activities) as prof:
-        call(2)
+    with profile(activities=activities) as prof:  # on this thread: the profiler's own
+        read_back(launch_forward(host, datums[2 * m:3 * m], config.algorithm.loss, loss, True))
         sync()
     trace = out_dir / "trace.json"
     prof.export_chrome_trace(str(trace))
@@ -137,7 +211,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     with open(trace, "rb") as f, gzip.open(f"{trace}.gz", "wb") as g:
         g.write(f.read())
     trace.unlink()
-    host.optimizer.zero_grad(set_to_none=True)
+    session.close()
     if args.out:
         Path(args.out).write_text(json.dumps(out, indent=1))
     print(json.dumps({k: v for k, v in out.items() if k != "timeline"} | {

@@ -368,6 +368,78 @@ def test_distinct_images_are_encoded_once_with_the_same_result(tiny_dir: Path, m
         assert (g - grads_every[name]).norm() <= 1e-5 * grads_every[name].norm() + 1e-9, name
 
 
+def test_decoder_inputs_give_transformers_own_forward() -> None:
+    """The trainer's decoder inputs (image features and DeepStack features put at their pads by
+    index, the vision tower's tables made on the CPU) give the hidden states and gradients of
+    transformers' own Qwen3-VL forward, on a shape with DeepStack: two episodes of one maze, so
+    the same first image twice."""
+    from workbench.model.presets import build_random
+    from workbench.policy.forward import core_model, decoder_inputs, rope_positions, token_tables
+
+    lm = build_random("qwen3-vl-small-shape", torch.float32, "cpu")
+    core = core_model(lm.model)
+    assert list(core.config.vision_config.deepstack_visual_indexes) == [1]
+    lm_fmt = chat_format(lm.processor)
+    streams = []
+    for reply in ("up", "left"):
+        stream, env = _first_stream(lm, lm_fmt, seed=0)
+        stream = append_reply(stream, lm_fmt, [lm_fmt.im_end], [0.0])
+        streams.append(_next_turn(lm, lm_fmt, stream, env, reply))
+    ids_BL, mask_BL, types_BL, _ = token_tables(streams, 0, False)
+    images = [img for s in streams for img in s.images]
+    positions_3BL = rope_positions(lm.model, ids_BL, types_BL, images)
+
+    def hidden_and_grads(ours: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lm.model.zero_grad(set_to_none=True)
+        if ours:
+            hidden = core.language_model(position_ids=positions_3BL, use_cache=False,
+                                         **decoder_inputs(lm.model, ids_BL, images))
+        else:
+            hidden = core(input_ids=ids_BL, mm_token_type_ids=types_BL,
+                          position_ids=positions_3BL, use_cache=False,
+                          pixel_values=torch.cat([i.pixel_values for i in images]),
+                          image_grid_thw=torch.stack([i.grid_thw for i in images]))
+        hidden = hidden.last_hidden_state[mask_BL.bool()]
+        (hidden * torch.linspace(-1, 1, hidden.shape[-1])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in core.named_parameters() if p.grad is not None}
+        return hidden.detach(), grads
+
+    ours, grads_ours = hidden_and_grads(True)
+    theirs, grads_theirs = hidden_and_grads(False)
+    assert torch.allclose(ours, theirs, atol=1e-5, rtol=1e-5)
+    assert grads_ours.keys() == grads_theirs.keys()
+    assert any("deepstack_merger" in n for n in grads_ours)  # DeepStack's gradient flows
+    for name, g in grads_ours.items():  # equal up to float32 summation order
+        assert (g - grads_theirs[name]).norm() <= 1e-4 * grads_theirs[name].norm() + 1e-9, name
+
+
+def test_deepstack_by_index_equals_transformers_by_mask() -> None:
+    """`index_deepstack`: features added at flat pad indices give transformers' boolean-mask
+    result exactly, forward and backward; a boolean mask still takes transformers' path."""
+    from types import SimpleNamespace
+
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
+
+    from workbench.policy.forward import index_deepstack
+
+    text = SimpleNamespace()
+    text._deepstack_process = lambda h, m, v: Qwen3VLTextModel._deepstack_process(None, h, m, v)
+    index_deepstack(text)
+    index_deepstack(text)  # once: the second call changes nothing
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 5, 3, generator=g, requires_grad=True)
+    mask_BL = torch.tensor([[0, 1, 1, 0, 0], [1, 0, 0, 0, 1]], dtype=torch.bool)
+    visual = torch.randn(4, 3, generator=g, requires_grad=True)
+    weight = torch.randn(2, 5, 3, generator=g)
+    results = []
+    for positions in (mask_BL, mask_BL.reshape(-1).nonzero().squeeze(1)):
+        out = text._deepstack_process(hidden, positions, visual)
+        hg, vg = torch.autograd.grad((out * weight).sum(), (hidden, visual))
+        results.append((out, hg, vg))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
 # ---------------------------------------------------------------- KV cache reuse
 
 

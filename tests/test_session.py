@@ -158,6 +158,32 @@ def test_a_failed_call_raises_through_its_future_and_the_queue_goes_on(
     assert good.result().loss > 0.0
 
 
+def test_pipelined_calls_give_what_the_host_gives_one_by_one(make_session,
+                                                             oracle_datums) -> None:
+    """forward_backward calls queued back to back on the lane (each launched before the one
+    before it is read back) give the outputs and the summed gradients of `host.forward` called
+    one at a time; a failing call among them fails alone, and a lone call resolves."""
+    from workbench.session import host
+
+    session = make_session()
+    tc, h = session.training_client, session.host
+    parts = [oracle_datums[:1], oracle_datums[1:], oracle_datums]
+    cfg = LossConfig(reduction="sum")
+    direct = [host.forward(h, part, "ppo", cfg, True) for part in parts]
+    grads = {n: p.grad.clone() for n, p in h.trainable().items() if p.grad is not None}
+    h.optimizer.zero_grad(set_to_none=True)
+    futures = [tc.forward_backward(parts[0], "ppo", cfg), tc.forward_backward(parts[1], "bad"),
+               tc.forward_backward(parts[1], "ppo", cfg), tc.forward_backward(parts[2], "ppo", cfg)]
+    with pytest.raises(ValueError, match="bad"):
+        futures[1].result()
+    queued = [futures[0].result(), futures[2].result(), futures[3].result()]
+    assert [(o.loss, o.metrics, o.logprobs_B_T) for o in queued] == \
+        [(o.loss, o.metrics, o.logprobs_B_T) for o in direct]
+    assert grads and all(torch.equal(p.grad, grads[n]) for n, p in h.trainable().items()
+                         if n in grads)
+    assert tc.forward(parts[0], "ppo", cfg).result().loss == direct[0].loss
+
+
 def test_forward_backward_loss_and_metrics(make_session, oracle_datums) -> None:
     session = make_session()
     tc = session.training_client

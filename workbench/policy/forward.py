@@ -12,6 +12,13 @@ features are repeated to every occurrence and put in place of the image's pad to
 transformers' own Qwen3-VL forward does. The gradient of a repeated image is the sum over its
 uses, as without the sharing, and no transformers version is needed beyond the decoder's own
 DeepStack inputs.
+
+The trainer's path never makes the host wait for the GPU before its backward is launched
+(`token_logprobs` without share_prefix): every table is built on the CPU and `upload`ed without
+a wait, the vision tower gets its position tables precomputed (`vision_tables`), and image
+features and DeepStack features go to their pads by index (`index_deepstack`) instead of by
+boolean mask, whose indexing reads the mask's count back. So a session can launch the next
+update call while the GPU still runs the one before (`session.inprocess`).
 """
 
 from __future__ import annotations
@@ -139,32 +146,82 @@ def distinct(images: list[VisionInput]) -> tuple[list[VisionInput], list[int]]:
     return kept, index_N
 
 
+def upload(t: torch.Tensor, device: Any) -> torch.Tensor:
+    """A CPU tensor on `device` without making the host wait: to a CUDA device through pinned
+    memory and a non-blocking copy (a plain copy from pageable memory synchronises the stream,
+    so the host would first wait for every kernel queued before it); elsewhere `.to(device)`."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def vision_tables(visual: Any, grid_N3: torch.Tensor, device: Any) -> dict[str, Any]:
+    """The vision tower's per-image tables (position-embedding taps and weights, rotary
+    positions, packed sequence bounds) computed on the CPU from the images' grids (CPU) by
+    transformers' own functions, as keyword arguments its forward takes instead of computing
+    them on the device, where each needs the grids read back first. The bounds stay on the CPU
+    (the SDPA tower reads them there: `model.vision`). {} for a non-SDPA tower."""
+    from transformers import vision_utils
+
+    if visual.config._attn_implementation != "sdpa":
+        return {}
+    merge = visual.config.spatial_merge_size
+    taps, weights = vision_utils.get_vision_interpolation_indices_and_weights(
+        grid_N3, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=merge)
+    return {"interp_indices": upload(taps, device), "interp_weights": upload(weights, device),
+            "position_ids": upload(vision_utils.get_vision_position_ids(grid_N3, merge), device),
+            "cu_seqlens": vision_utils.get_vision_cu_seqlens(grid_N3)}
+
+
+def index_deepstack(text_model: Any) -> None:
+    """Let a Qwen3-VL text model take its DeepStack positions as flat indices into (B * L)
+    (`decoder_inputs` passes them as `visual_pos_masks`): the features are added there by
+    index_add, whose forward and backward need no host read; a boolean mask still goes through
+    transformers' own function. Installed once per model instance."""
+    if getattr(text_model, "index_deepstack", False):
+        return
+    by_mask = text_model._deepstack_process
+
+    def deepstack(hidden_BLD: torch.Tensor, positions: torch.Tensor,
+                  visual_ND: torch.Tensor) -> torch.Tensor:
+        if positions.dtype == torch.bool:
+            return by_mask(hidden_BLD, positions, visual_ND)
+        flat_ND = hidden_BLD.reshape(-1, hidden_BLD.shape[-1])
+        return flat_ND.index_add(0, positions, visual_ND.to(flat_ND.dtype)).view_as(hidden_BLD)
+
+    text_model._deepstack_process = deepstack
+    text_model.index_deepstack = True
+
+
 def decoder_inputs(model: Any, ids_BL: torch.Tensor, images: list[VisionInput]
                    ) -> dict[str, Any]:
     """The decoder's (`language_model`'s) inputs for token ids ids_BL (CPU) holding the pads of
     `images`, in order: token embeddings with each image's features in place of its pads, the
-    pads' mask, and the DeepStack features at them. Each distinct image is encoded once (the
-    module docstring); ValueError when the pads and the images' tokens differ in number."""
+    pads' flat positions, and the DeepStack features at them. Each distinct image is encoded
+    once (the module docstring); ValueError when the pads and the images' tokens differ in
+    number. Nothing here waits for the GPU."""
     core = core_model(model)
     device = model.device
-    embeds_BLD = core.get_input_embeddings()(ids_BL.to(device))
+    embeds_BLD = core.get_input_embeddings()(upload(ids_BL, device))
     if not images:
         return {"inputs_embeds": embeds_BLD}
     kept, index_N = distinct(images)
-    merge = vision_merge(model)
-    rows_R = feature_rows(kept, index_N, merge)
-    pad_BL = ids_BL == core.config.image_token_id
-    if (pads := int(pad_BL.sum())) != len(rows_R):
-        raise ValueError(f"{pads} image pad tokens for {len(images)} images of "
+    rows_R = feature_rows(kept, index_N, vision_merge(model))
+    pads_R = (ids_BL.reshape(-1) == core.config.image_token_id).nonzero().squeeze(1)
+    if len(pads_R) != len(rows_R):
+        raise ValueError(f"{len(pads_R)} image pad tokens for {len(images)} images of "
                          f"{len(rows_R)} tokens: the stream and its images disagree")
-    vision = core.visual(torch.cat([i.pixel_values for i in kept]).to(device, core.visual.dtype),
-                         grid_thw=torch.stack([i.grid_thw for i in kept]).to(device),
-                         return_dict=True)
-    rows_R = rows_R.to(device)
-    pad_BL = pad_BL.to(device)
-    features_RD = vision.pooler_output[rows_R].to(embeds_BLD.dtype)
-    return {"inputs_embeds": embeds_BLD.masked_scatter(pad_BL.unsqueeze(-1), features_RD),
-            "visual_pos_masks": pad_BL,
+    grid_N3 = torch.stack([i.grid_thw for i in kept])
+    pixels = upload(torch.cat([i.pixel_values for i in kept]), device).to(core.visual.dtype)
+    vision = core.visual(pixels, grid_thw=upload(grid_N3, device), return_dict=True,
+                         **vision_tables(core.visual, grid_N3, device))
+    rows_R, pads_R = upload(rows_R, device), upload(pads_R, device)
+    index_deepstack(core.language_model)
+    flat_ND = embeds_BLD.reshape(-1, embeds_BLD.shape[-1])
+    features_RD = vision.pooler_output[rows_R].to(flat_ND.dtype)
+    return {"inputs_embeds": flat_ND.index_copy(0, pads_R, features_RD).view_as(embeds_BLD),
+            "visual_pos_masks": pads_R,
             "deepstack_visual_embeds": [f[rows_R] for f in vision.deepstack_features]}
 
 
@@ -196,7 +253,7 @@ def masked_log_softmax(
     """log p over the vocabulary at `temperature` (1.0 for greedy), banned tokens at -inf."""
     scaled = logits_BV.float() / (temperature if temperature > 0 else 1.0)
     if banned:
-        scaled = scaled.index_fill(-1, torch.tensor(banned, device=scaled.device), float("-inf"))
+        scaled = scaled.index_fill(-1, upload(torch.tensor(banned), scaled.device), float("-inf"))
     return torch.log_softmax(scaled, dim=-1)
 
 
@@ -231,9 +288,9 @@ def token_logprobs(
         # Right padding + causal attention: real tokens never see the pads, so no mask is
         # needed, and SDPA takes its fused causal kernel (identical values on real tokens).
         hidden_BLD = core_model(model).language_model(
-            position_ids=positions_3BL.to(model.device), use_cache=False,
+            position_ids=upload(positions_3BL, model.device), use_cache=False,
             **decoder_inputs(model, ids_BL, images)).last_hidden_state
-        ids_BL = ids_BL.to(model.device)
+        ids_BL = upload(ids_BL, model.device)
     if keep_B_T is not None:
         return _kept_logprobs(model, hidden_BLD, ids_BL, lengths_B, keep_B_T, temperature,
                               banned)
@@ -294,9 +351,9 @@ def _shared_prefix_hidden(model: Any, streams: list[Stream], pad_id: int, p: int
     positions_3BL = rope_positions(model, ids_BL, types_BL,
                                    [img for s in streams for img in s.images])
     device, merge = model.device, vision_merge(model)
-    positions_3BL = positions_3BL.to(device)
+    positions_3BL = upload(positions_3BL, device)
     heads = sorted(set(group_B))
-    row_B = torch.tensor([heads.index(g) for g in group_B], device=device)
+    row_B = upload(torch.tensor([heads.index(g) for g in group_B]), device)
     text = core_model(model).language_model
     before = [len(_prefix_images(s, p, merge)) for s in streams]
     out = text(position_ids=positions_3BL[:, heads, :p], use_cache=True,
@@ -308,7 +365,7 @@ def _shared_prefix_hidden(model: Any, streams: list[Stream], pad_id: int, p: int
                 **decoder_inputs(model, ids_BL[:, p:],
                                  [i for s, n in zip(streams, before) for i in s.images[n:]]))
     hidden_BLD = torch.cat([out.last_hidden_state[row_B], tail.last_hidden_state], dim=1)
-    return hidden_BLD, lengths_B, ids_BL.to(device)
+    return hidden_BLD, lengths_B, upload(ids_BL, device)
 
 
 def _kept_logprobs(model: Any, hidden_BLD: torch.Tensor, ids_BL: torch.Tensor,
@@ -322,7 +379,7 @@ def _kept_logprobs(model: Any, hidden_BLD: torch.Tensor, ids_BL: torch.Tensor,
         keep_BL[b, : len(keep)] = torch.tensor(keep, dtype=torch.bool)
     keep_BL[:, 0] = False
     b_N, t_N = keep_BL.nonzero(as_tuple=True)  # target token t is predicted at t - 1
-    b_N, t_N = b_N.to(hidden_BLD.device), t_N.to(hidden_BLD.device)
+    b_N, t_N = upload(b_N, hidden_BLD.device), upload(t_N, hidden_BLD.device)
     logits_NV = base.lm_head(hidden_BLD[b_N, t_N - 1])
     logp_NV = masked_log_softmax(logits_NV, temperature, banned)
     picked_N = logp_NV.gather(-1, ids_BL[b_N, t_N].unsqueeze(-1)).squeeze(-1)

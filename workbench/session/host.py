@@ -18,6 +18,7 @@ The episode loop is not the host's: `play` runs a loop handed in by the caller (
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from collections.abc import Callable
@@ -25,6 +26,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
@@ -33,12 +35,13 @@ from workbench.model.vision import batch_vision_attention, linear_patch_embed
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
 from workbench.policy.engine import Engine
 from workbench.policy.engines import make_engine
-from workbench.policy.forward import token_logprobs
+from workbench.policy.forward import token_logprobs, upload
 from workbench.session.losses import (
     LOSSES,
     REDUCTIONS,
     LossConfig,
-    loss_metrics,
+    metric_tensors,
+    read_metrics,
     truncated_is,
 )
 from workbench.session.spec import SessionSpec, SpeedSettings
@@ -161,6 +164,8 @@ def speed_metrics(host: ModelHost) -> dict[str, float]:
     out: dict[str, float] = cache() if cache else {}
     if host.speed.fp8_base:
         out["speed/fp8_base"] = float(host.fp8_base)
+    if uses_cudnn_attention(host):
+        out["speed/cudnn_attention"] = 1.0
     static = host.static
     if static is None:
         return out
@@ -325,10 +330,29 @@ def warn_if_empty(call: str, datums: list[Datum]) -> None:
                       stacklevel=3)
 
 
+@dataclass
+class LaunchedForward:
+    """A forward(_backward) call whose work is queued on the device and whose results are not
+    read back yet (`read_back`): loss, metrics (`losses.metric_tensors`) and the trainer's
+    log-probs of each datum, as tensors."""
+
+    loss: torch.Tensor
+    metrics: dict[str, Any]
+    logprobs_B_T: list[torch.Tensor]
+
+
 def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
             backward: bool) -> ForwardBackwardOutput:
     """Loss, metrics and trainer log-probs of the datums; with backward, gradients accumulate.
     No datums: an output marked empty (nothing computed; the client warns)."""
+    return read_back(launch_forward(host, datums, loss_fn, cfg, backward))
+
+
+def launch_forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
+                   backward: bool) -> LaunchedForward | ForwardBackwardOutput:
+    """`forward` up to its results: the forward (and backward) queued on the device without the
+    host waiting for it, so the next call's host work can run while the GPU computes this one.
+    No datums: the empty output itself."""
     if loss_fn not in LOSSES:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; choose one of {sorted(LOSSES)}")
     if not datums:
@@ -336,7 +360,7 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
     trainer_weights(host)
     model = host.lm.model
     set_training(host.modules, backward)
-    with torch.set_grad_enabled(backward), \
+    with torch.set_grad_enabled(backward), sdpa_order(host), \
             lora_in_model_dtype(model, host.speed.lora_autocast, host.adapted):
         streams = [d.stream for d in datums]
         keep = [[w != 0 for w in d.weights_T] for d in datums] \
@@ -344,9 +368,9 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
         logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
                                            host.pad_id, keep, host.speed.share_prefix)
         device = logp_B_T[0].device  # the side tables go where the model is (cuda on GPU)
-        sampler_B_T = [torch.tensor(s.logprobs_T, device=device) for s in streams]
-        adv_B_T = [torch.tensor(d.advantages_T, device=device) for d in datums]
-        w_B_T = [torch.tensor(d.weights_T, device=device) for d in datums]
+        sampler_B_T = side_table([s.logprobs_T for s in streams], device)
+        adv_B_T = side_table([d.advantages_T for d in datums], device)
+        w_B_T = side_table([d.weights_T for d in datums], device)
         # Observation tokens (weight 0) may be banned for sampling (-inf): keep them out of
         # the arithmetic, since 0 * -inf is nan.
         logp_B_T = [torch.where(w != 0, lp, torch.zeros_like(lp)) for lp, w in zip(logp_B_T, w_B_T)]
@@ -359,9 +383,44 @@ def forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: LossConfig,
             loss.backward()
     set_training(host.modules, False)
     detached = [lp.detach() for lp in logp_B_T]
-    metrics = {"loss": float(loss.detach())} | loss_metrics(detached, sampler_B_T, w_B_T,
-                                                   [e.detach() for e in ent_B_T], cfg)
-    return ForwardBackwardOutput(float(loss.detach()), metrics, [lp.tolist() for lp in detached])
+    tokens = sum(w != 0 for d in datums for w in d.weights_T)
+    return LaunchedForward(loss.detach(), metric_tensors(
+        detached, sampler_B_T, w_B_T, [e.detach() for e in ent_B_T], cfg, tokens), detached)
+
+
+def sdpa_order(host: ModelHost) -> contextlib.AbstractContextManager:
+    """The update's SDPA backends in order: cuDNN's first with `speed.cudnn_attention` on a CUDA
+    device, else PyTorch's own order. Compiled layers take the order they were compiled under:
+    every update call runs under the same one."""
+    if not uses_cudnn_attention(host):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                        SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+
+
+def uses_cudnn_attention(host: ModelHost) -> bool:
+    """Whether the update puts cuDNN's attention first (`speed.cudnn_attention` on CUDA)."""
+    return host.speed.cudnn_attention and host.lm.model.device.type == "cuda"
+
+
+def read_back(launched: LaunchedForward | ForwardBackwardOutput) -> ForwardBackwardOutput:
+    """A launched call's results as Python numbers: the host waits here for its device work."""
+    if isinstance(launched, ForwardBackwardOutput):
+        return launched
+    loss = float(launched.loss)
+    flat = torch.cat(launched.logprobs_B_T).tolist()
+    bounds = np.cumsum([0] + [len(lp) for lp in launched.logprobs_B_T])
+    return ForwardBackwardOutput(loss, {"loss": loss} | read_metrics(launched.metrics),
+                                 [flat[a:b] for a, b in zip(bounds[:-1], bounds[1:])])
+
+
+def side_table(values_B_T: list[Any], device: torch.device) -> list[torch.Tensor]:
+    """Per-datum float lists as tensors on `device`, sent in one upload (`forward.upload`)."""
+    flat = upload(torch.tensor([x for values in values_B_T for x in values],
+                               dtype=torch.get_default_dtype()), device)
+    return list(flat.split([len(values) for values in values_B_T]))
 
 
 def set_training(modules: tuple[torch.nn.Module, ...], on: bool) -> None:

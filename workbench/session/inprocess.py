@@ -6,6 +6,11 @@
 
 All calls that touch the model run on one worker thread, the trainer's lane, in submission
 order, so a forward_backward and an optim_step may both be submitted before either is awaited.
+Forward(_backward) calls are pipelined on that lane: a call's work is queued on the device
+(`host.launch_forward`, which never waits for the GPU), then the results of the call before it
+are read back (`host.read_back`), so the host prepares and launches call n + 1 while the GPU
+still runs call n's backward; the last call's results are read when the lane has nothing else
+queued. Futures resolve in the order of the calls, each with what `host.forward` returns.
 A SamplingClient is bound to the weights version it was created with: it swaps that LoRA
 snapshot in for its calls and the trainer's weights back afterwards. With vLLM (an engine with
 weights of its own) its `sample` and `play` instead run in order on a second thread, the
@@ -19,6 +24,7 @@ runs the same functions inside its trainer and sampler actors.
 from __future__ import annotations
 
 import json
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -47,6 +53,7 @@ class Session:
             max_workers=1, thread_name_prefix="workbench-sampler") \
             if model_host.engine.samples_own_weights else self._pool
         self.training_client = TrainingClient(self)
+        self._launched: deque = deque()  # (future, launched call): read back on the lane only
 
     @property
     def workdir(self) -> Path:
@@ -67,8 +74,36 @@ class Session:
         return self.submit(fn, *args)
 
     def submit_batch(self, fn: Call, datums: list[Datum], *args: Any) -> Future:
-        """One replica: fn(host, datums, *args) on the trainer's lane."""
-        return self.submit(fn, datums, *args)
+        """One replica: fn(host, datums, *args) on the trainer's lane; `host.forward` pipelined
+        (the module docstring)."""
+        if fn is not host.forward:
+            return self.submit(fn, datums, *args)
+        done: Future = Future()
+        self._pool.submit(self._launch, done, datums, *args)
+        return done
+
+    def _launch(self, done: Future, datums: list[Datum], *args: Any) -> None:
+        """On the trainer's lane: queue a forward call's device work, then read back the calls
+        launched before it; its own results wait for the next call, or for the read-back queued
+        behind everything submitted so far."""
+        try:
+            launched = host.launch_forward(self.host, datums, *args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through its future
+            self._read_back()
+            done.set_exception(exc)
+            return
+        self._read_back()
+        self._launched.append((done, launched))
+        self._pool.submit(self._read_back)
+
+    def _read_back(self) -> None:
+        """Resolve the launched calls' futures, oldest first (on the trainer's lane)."""
+        while self._launched:
+            done, launched = self._launched.popleft()
+            try:
+                done.set_result(host.read_back(launched))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                done.set_exception(exc)
 
     def submit_sampling(self, fn: Call, *args: Any, model: bool = False) -> Future:
         """Queue a sampling call fn(host, *args): behind the sampling calls before it, and

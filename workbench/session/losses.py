@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,12 +90,12 @@ def _sum(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tenso
 
 
 def _token_mean(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tensor:
-    tokens = sum(float((w != 0).sum()) for w in w_B_T)
-    return _sum(loss_B_T, w_B_T) / max(tokens, 1.0)
+    tokens = torch.stack([(w != 0).sum() for w in w_B_T]).sum()  # no read-back
+    return _sum(loss_B_T, w_B_T) / tokens.clamp(min=1)
 
 
 def _sequence_mean(loss_B_T: list[torch.Tensor], w_B_T: list[torch.Tensor]) -> torch.Tensor:
-    per_seq = [x.sum() / max(float((w != 0).sum()), 1.0) for x, w in zip(loss_B_T, w_B_T)]
+    per_seq = [x.sum() / (w != 0).sum().clamp(min=1) for x, w in zip(loss_B_T, w_B_T)]
     return torch.stack(per_seq).mean()
 
 
@@ -132,25 +133,42 @@ def loss_metrics(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg: LossConfig) -> 
     the sampler; under truncated importance sampling against the trainer's own log-probs, so
     none in the one forward), entropy and token count; with cfg.tis_cap the share of tokens
     whose weight min(trainer / sampler, cap) was cut to the cap."""
+    tokens = int(sum(int((w != 0).sum()) for w in w_B_T))
+    return read_metrics(metric_tensors(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg, tokens))
+
+
+def metric_tensors(logp_B_T, sampler_B_T, w_B_T, entropy_B_T, cfg: LossConfig, tokens: int
+                   ) -> dict[str, Any]:
+    """`loss_metrics` as 0-d tensors where the log-probs are, made without reading anything back
+    from the device (`tokens`, the count of weighted tokens, comes from the caller): an update
+    call can queue the next one's work before its metrics are read (`read_metrics`)."""
+    tis: dict[str, Any] = {"tis_truncated_fraction": 0.0} if cfg.tis_cap else {}
+    if tokens == 0:
+        return {"kl_sampler_trainer": 0.0, "clip_fraction": 0.0, "entropy": 0.0,
+                "tokens": 0} | tis
     with torch.no_grad():
         mask = torch.cat([w != 0 for w in w_B_T])
-        tis = {"tis_truncated_fraction": 0.0} if cfg.tis_cap else {}
-        if not bool(mask.any()):
-            return {"kl_sampler_trainer": 0.0, "clip_fraction": 0.0, "entropy": 0.0,
-                    "tokens": 0} | tis
-        logp = torch.cat(logp_B_T)[mask]
-        sampler = torch.cat(sampler_B_T)[mask]
-        log_ratio = logp - sampler  # log (trainer / sampler)
-        ratio = log_ratio.exp()
+        log_ratio = torch.where(mask, torch.cat(logp_B_T) - torch.cat(sampler_B_T), 0.0)
+        ratio = log_ratio.exp()  # trainer / sampler; 1 off the mask
+
+        def share(selected: torch.Tensor) -> torch.Tensor:
+            return (selected & mask).sum() / tokens
+
         if cfg.tis_cap:  # the loss's ratio is against the trainer itself: 1, nothing clips
-            tis["tis_truncated_fraction"] = float((ratio > cfg.tis_cap).float().mean())
-            clip_fraction = 0.0
+            tis["tis_truncated_fraction"] = share(ratio > cfg.tis_cap)
+            clip_fraction: Any = 0.0
         else:
-            clipped = (ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high)
-            clip_fraction = float(clipped.float().mean())
+            clip_fraction = share((ratio < 1.0 - cfg.clip_low) | (ratio > 1.0 + cfg.clip_high))
         return {
-            "kl_sampler_trainer": float((ratio - 1.0 - log_ratio).mean()),
+            "kl_sampler_trainer": (ratio - 1.0 - log_ratio).sum() / tokens,
             "clip_fraction": clip_fraction,
-            "entropy": float(torch.cat(entropy_B_T)[mask].mean()),
-            "tokens": int(mask.sum()),
+            "entropy": torch.where(mask, torch.cat(entropy_B_T), 0.0).sum() / tokens,
+            "tokens": tokens,
         } | tis
+
+
+def read_metrics(metrics: dict[str, Any]) -> dict[str, float]:
+    """`metric_tensors` as Python numbers, read back from the device at once."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    values = torch.stack([metrics[k].double() for k in keys]).tolist() if keys else []
+    return metrics | dict(zip(keys, values))

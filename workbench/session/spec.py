@@ -62,6 +62,12 @@ class SpeedSettings:
     lora_autocast: bool = False
     """On a bf16 base: compute the LoRA adapters in bf16 under autocast instead of peft's float32
     path; adapter weights, gradients and Adam stay float32. Ignored on float32 models."""
+    cudnn_attention: bool = False
+    """On a CUDA device: the update's attention (SDPA: the text layers' causal attention, the
+    vision tower's) tries cuDNN's fused kernel first, then flash, memory-efficient and math
+    (PyTorch's backend priority, `session.host.sdpa_order`); a shape cuDNN refuses takes the
+    next. The same attention to bf16 rounding, about twice flash's speed forward and backward at
+    the 8B shape's update (benchmarks/RESULTS.md, "The update"). Ignored on CPU."""
     fp8_base: bool = False
     """With a LoRA adapter on a bf16 model and an FP8 GPU (compute capability 8.9+): the update
     runs the frozen base's text linear layers in FP8 (e4m3, row-wise scales, quantisation
