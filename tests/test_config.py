@@ -133,6 +133,13 @@ def test_one_sample_per_prompt_is_rejected() -> None:
         .generator.n_samples_per_prompt == 2
 
 
+def test_fp8_vllm_without_vllm_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"engine\.vllm_fp8 .* engine\.name=vllm"):
+        apply_overrides(RunConfig(), ["engine.vllm_fp8=true"])
+    config = apply_overrides(RunConfig(), ["engine.name=vllm", "engine.vllm_fp8=true"])
+    assert config.engine.vllm_fp8 is True
+
+
 @pytest.mark.parametrize("key", ["generator.max_turns", "generator.max_tokens",
                                  "trainer.train_batch_size", "algorithm.minibatch",
                                  "eval.n_mazes", "lora.rank"])

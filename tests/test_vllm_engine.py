@@ -104,6 +104,7 @@ class FakeVLLM:
     cache_hits: int = 0
     loaded: list[list[tuple[str, torch.Tensor]]] = field(default_factory=list)  # merged pushes
     payloads: list[type] = field(default_factory=list)  # bytes (shared) or list (in-process)
+    rpcs: list[str] = field(default_factory=list)  # collective_rpc methods, in order
     resets: int = 0  # reset_prefix_cache() calls
     enqueued: list[dict[str, Any]] = field(default_factory=list)  # LLM.enqueue's requests
     queue: list[str] = field(default_factory=list)  # ids of enqueued requests not yet finished
@@ -183,13 +184,17 @@ class FakeVLLM:
     def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
         """LLM.collective_rpc on one worker: the worker extension named in LLM(...) (our real
         MergedWeightsWorker class) on the CPU, its model's load_weights recorded."""
-        self.payloads.append(type(args[0]))
+        self.rpcs.append(method)
+        if args:
+            self.payloads.append(type(args[0]))
         path = self.llm_kwargs[-1]["worker_extension_cls"]
         module, name = path.rsplit(".", 1)
         worker = getattr(__import__(module, fromlist=[name]), name)()
         worker.device = torch.device("cpu")
         model = types.SimpleNamespace(load_weights=lambda w: self.loaded.append(list(w)))
-        worker.model_runner = types.SimpleNamespace(get_model=lambda: model)
+        quantization = self.llm_kwargs[-1].get("quantization")
+        worker.model_runner = types.SimpleNamespace(
+            get_model=lambda: model, model_config=types.SimpleNamespace(quantization=quantization))
         return [getattr(worker, method)(*args)]
 
     def reset_prefix_cache(self) -> bool:
@@ -577,6 +582,46 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         assert fake_vllm.encoder_resets == 0  # no LoRA on the vision tower: its features stand
     finally:
         session.close()
+
+
+def test_fp8_vllm_reloads_each_merged_version_layer_by_layer(
+        fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path, tiny,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """engine.vllm_fp8: vLLM is built with quantization="fp8", and a merged version's chunks load
+    between vLLM's layerwise-reload calls (each layer quantised again once complete), with the
+    reload's warnings about the layers a version does not carry held back and the logger's level
+    restored; without vllm_fp8 no reload call is made."""
+    import logging
+
+    calls: list[str] = []
+    log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+
+    def initialize(model: Any) -> None:
+        calls.append("initialize")
+
+    def finalize(model: Any, config: Any) -> None:
+        calls.append(f"finalize at level {logging.getLevelName(log.getEffectiveLevel())}")
+
+    reload = types.ModuleType("vllm.model_executor.model_loader.reload")
+    reload.initialize_layerwise_reload, reload.finalize_layerwise_reload = initialize, finalize
+    monkeypatch.setitem(sys.modules, reload.__name__, reload)
+    for fp8 in (False, True):
+        session = create_session(SessionSpec(
+            str(tiny_dir), LORA, workdir=str(tmp_path / f"q{fp8}"), dtype="bfloat16",
+            engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged",
+                                  vllm_fp8=fp8)))
+        try:
+            assert fake_vllm.llm_kwargs[-1].get("quantization") == ("fp8" if fp8 else None)
+            fake_vllm.rpcs.clear()
+            sampler = session.training_client.save_weights_and_get_sampling_client()
+            sampler.sample(_two_turn_stream(tiny), 1, SamplingParams(max_tokens=2)).result()
+            chunks = len(fake_vllm.rpcs) - 2
+            assert chunks >= 1 and fake_vllm.rpcs == \
+                ["begin_weights"] + ["load_shared_weights"] * chunks + ["end_weights"]
+        finally:
+            session.close()
+    assert calls == ["initialize", "finalize at level ERROR"]
+    assert log.level == logging.NOTSET
 
 
 def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny_dir: Path,

@@ -442,6 +442,9 @@ def validate(config: RunConfig) -> None:
                           "algorithm.update_epochs=1")
     if values["generator.n_samples_per_prompt"] < 2:
         raise ConfigError("generator.n_samples_per_prompt must be >= 2 for group advantages")
+    if values["engine.vllm_fp8"] and values["engine.name"] != "vllm":
+        raise ConfigError("engine.vllm_fp8 quantises vLLM's weights: it needs engine.name=vllm, "
+                          f"not {values['engine.name']!r}")
     _validate_cluster(config)
     try:
         loggers.parse(config.trainer.logger)

@@ -82,6 +82,13 @@ class EngineSettings:
     vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
     without LoRA; each version merged into its own weights, W + scale * B @ A in bf16, sent over
     CUDA IPC: no LoRA cost, one version at a time; `policy.vllm_merged`)."""
+    vllm_fp8: bool = False
+    """vllm only: vLLM runs the text and vision linear layers in FP8 (its online per-tensor
+    quantisation of the bf16 weights, `quantization="fp8"`): the prefill's matrix products and
+    the decode's weight reads about halve. With vllm_lora=merged each version is quantised again
+    as it arrives (vLLM's layerwise reload); with adapter the base is quantised once and the
+    LoRA kernels stay bf16. The sampler's log-probs then drift further from the trainer's: use
+    algorithm.tis_cap (benchmarks/RESULTS.md, "A step")."""
 
 
 class Rows(Protocol):

@@ -263,6 +263,7 @@ def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         enable_prefix_caching=True,  # multi-turn prefixes and the G rows of a maze are reused
         **lora,
+        **({"quantization": "fp8"} if settings.vllm_fp8 else {}),
         max_model_len=max_model_len,
         limit_mm_per_prompt={"image": settings.max_images or 16},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from

@@ -17,7 +17,10 @@ How a version travels (same GPU):
 3. `llm.collective_rpc("load_shared_weights", args=(payload,))`: `MergedWeightsWorker`, which
    vLLM mixes into its GPU worker (`worker_extension_cls`), opens the handles and calls the
    model's own `load_weights`, which copies them into vLLM's fused q/k/v and gate/up weights in
-   place (its CUDA graphs keep their pointers);
+   place (its CUDA graphs keep their pointers). A model vLLM quantised (`engine.vllm_fp8`) is
+   loaded between `begin_weights` and `end_weights`: vLLM's layerwise reload buffers each
+   layer's bf16 weights and quantises the layer again once it has all of them, into the same
+   storage;
 4. `llm.reset_prefix_cache()`: KV cached under the old weights is never reused; and with a LoRA
    on the vision tower (`lora.vision`), vLLM's encoder cache too (the image features).
 The merged tensors are made and sent a chunk of layers at a time, so the extra memory is one
@@ -32,6 +35,7 @@ merges it again from its snapshot.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 from collections.abc import Iterator
@@ -141,6 +145,39 @@ class MergedWeightsWorker:
     device: torch.device
     model_runner: Any
 
+    def begin_weights(self) -> bool:
+        """Before a version's chunks. A model vLLM quantised has its layers set back to their
+        bf16 checkpoint form, each layer's weights buffered as they load and the layer quantised
+        again once complete (vLLM's layerwise reload); an unquantised model loads in place.
+        Returns whether the weights are reloaded that way."""
+        if self.model_runner.model_config.quantization is None:
+            return False
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model_runner.get_model())
+        return True
+
+    def end_weights(self) -> bool:
+        """After a version's chunks: a quantised model's reload finished. The layers a version
+        does not carry (embeddings, norms, the vision tower without `lora.vision`) keep their
+        weights; vLLM would log a warning for each of them on every version, so its reload's
+        warnings are held back meanwhile. Returns whether there was a reload."""
+        if self.model_runner.model_config.quantization is None:
+            return False
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        level = log.level
+        log.setLevel(logging.ERROR)
+        try:
+            finalize_layerwise_reload(self.model_runner.get_model(),
+                                      self.model_runner.model_config)
+        finally:
+            log.setLevel(level)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return True
+
     def load_shared_weights(self, payload: bytes | list[tuple[str, torch.Tensor]]) -> int:
         """Load a chunk into the model's weights in place: `share`d bytes, or (engine in this
         process) the (name, tensor) list itself. Returns how many tensors."""
@@ -157,6 +194,7 @@ def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor],
     chunk by chunk; then drop vLLM's prefix cache (its KV was computed with the old weights).
     Returns the number of tensors loaded."""
     loaded, in_process, vision = 0, engine_in_process(), False
+    llm.collective_rpc("begin_weights")
     for chunk in merged_weights(model, tensors, chunk_bytes):
         vision = vision or any(name.startswith(VISION_PREFIX) for name, _ in chunk)
         payload = chunk if in_process else share(chunk)
@@ -165,6 +203,7 @@ def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor],
             raise RuntimeError(f"vLLM loaded {counts} of {len(chunk)} merged weights")
         loaded += len(chunk)
         del chunk, payload  # freed before the next chunk is merged: one chunk in memory
+    llm.collective_rpc("end_weights")
     if torch.cuda.is_available():
         torch.cuda.ipc_collect()
     if not llm.reset_prefix_cache():
