@@ -191,7 +191,8 @@ class FakeVLLM:
         module, name = path.rsplit(".", 1)
         worker = getattr(__import__(module, fromlist=[name]), name)()
         worker.device = torch.device("cpu")
-        model = types.SimpleNamespace(load_weights=lambda w: self.loaded.append(list(w)))
+        model = types.SimpleNamespace(load_weights=lambda w: self.loaded.append(list(w)),
+                                      modules=lambda: ["a layer"])
         quantization = self.llm_kwargs[-1].get("quantization")
         worker.model_runner = types.SimpleNamespace(
             get_model=lambda: model, model_config=types.SimpleNamespace(quantization=quantization))
@@ -604,7 +605,11 @@ def test_fp8_vllm_reloads_each_merged_version_layer_by_layer(
 
     reload = types.ModuleType("vllm.model_executor.model_loader.reload")
     reload.initialize_layerwise_reload, reload.finalize_layerwise_reload = initialize, finalize
+    layerwise = types.ModuleType(f"{reload.__name__}.layerwise")
+    processed = types.SimpleNamespace(can_load=lambda: False, load_numel=0, load_numel_total=None)
+    layerwise.get_layerwise_info = lambda module: processed  # every layer quantised again
     monkeypatch.setitem(sys.modules, reload.__name__, reload)
+    monkeypatch.setitem(sys.modules, layerwise.__name__, layerwise)
     for fp8 in (False, True):
         session = create_session(SessionSpec(
             str(tiny_dir), LORA, workdir=str(tmp_path / f"q{fp8}"), dtype="bfloat16",
@@ -622,6 +627,20 @@ def test_fp8_vllm_reloads_each_merged_version_layer_by_layer(
             session.close()
     assert calls == ["initialize", "finalize at level ERROR"]
     assert log.level == logging.NOTSET
+
+
+def test_a_reload_that_quantised_nothing_or_part_of_a_layer_is_refused() -> None:
+    """end_weights' check of vLLM's reload records: every layer either done (reset) or loaded
+    in full; none done, or one with part of its weights, is a version that did not load."""
+    from workbench.policy.vllm_merged import reload_counts
+
+    def info(done: bool, loaded: int = 0, total: int = 10) -> Any:
+        return types.SimpleNamespace(can_load=lambda: not done, load_numel=loaded,
+                                     load_numel_total=None if done else total)
+
+    assert reload_counts([info(True), info(True), info(False)]) == (2, 0)  # a norm: untouched
+    assert reload_counts([info(False), info(False)]) == (0, 0)
+    assert reload_counts([info(True), info(False, loaded=4)]) == (1, 1)
 
 
 def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny_dir: Path,

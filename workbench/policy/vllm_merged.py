@@ -157,26 +157,34 @@ class MergedWeightsWorker:
         initialize_layerwise_reload(self.model_runner.get_model())
         return True
 
-    def end_weights(self) -> bool:
+    def end_weights(self) -> int:
         """After a version's chunks: a quantised model's reload finished. The layers a version
         does not carry (embeddings, norms, the vision tower without `lora.vision`) keep their
         weights; vLLM would log a warning for each of them on every version, so its reload's
-        warnings are held back meanwhile. Returns whether there was a reload."""
+        warnings are held back meanwhile, and the reload is checked here instead: returns how
+        many layers were quantised again (0 for an unquantised model); RuntimeError when none
+        was, or when a layer got only part of its weights."""
         if self.model_runner.model_config.quantization is None:
-            return False
+            return 0
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
 
+        model = self.model_runner.get_model()
+        done, partial = reload_counts([get_layerwise_info(m) for m in model.modules()])
         log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
         level = log.level
         log.setLevel(logging.ERROR)
         try:
-            finalize_layerwise_reload(self.model_runner.get_model(),
-                                      self.model_runner.model_config)
+            finalize_layerwise_reload(model, self.model_runner.model_config)
         finally:
             log.setLevel(level)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return True
+        if partial or not done:
+            raise RuntimeError(f"vLLM's FP8 reload quantised {done} layers again and left "
+                               f"{partial} with only part of their weights: the version was "
+                               "not loaded")
+        return done
 
     def load_shared_weights(self, payload: bytes | list[tuple[str, torch.Tensor]]) -> int:
         """Load a chunk into the model's weights in place: `share`d bytes, or (engine in this
@@ -186,6 +194,16 @@ class MergedWeightsWorker:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # copied before the sender frees its tensors
         return len(weights)
+
+
+def reload_counts(infos: list[Any]) -> tuple[int, int]:
+    """(layers done, layers part-loaded) from vLLM's layerwise-reload records of a model's
+    modules: a layer that got all its weights was quantised again and its record reset (no
+    longer loadable); one still loadable holds some of its weights or none."""
+    done = sum(not info.can_load() for info in infos)
+    partial = sum(info.can_load() and 0 < info.load_numel < (info.load_numel_total or 0)
+                  for info in infos)
+    return done, partial
 
 
 def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor],
