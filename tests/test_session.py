@@ -184,6 +184,17 @@ def test_pipelined_calls_give_what_the_host_gives_one_by_one(make_session,
     assert tc.forward(parts[0], "ppo", cfg).result().loss == direct[0].loss
 
 
+def test_a_call_launched_as_the_session_closes_still_resolves(make_session,
+                                                                oracle_datums) -> None:
+    """The last forward call on a lane that takes no more work (the session closing) is read
+    back at once instead of behind a read-back the lane would refuse."""
+    session = make_session()
+    session._pool.shutdown(wait=True)  # what close() starts with; its lane runs nothing new
+    done: Future = Future()
+    session._launch(done, oracle_datums, "cross_entropy", LossConfig(), False)
+    assert done.done() and done.result().loss > 0.0
+
+
 def test_forward_backward_loss_and_metrics(make_session, oracle_datums) -> None:
     session = make_session()
     tc = session.training_client

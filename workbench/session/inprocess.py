@@ -94,7 +94,10 @@ class Session:
             return
         self._read_back()
         self._launched.append((done, launched))
-        self._pool.submit(self._read_back)
+        try:
+            self._pool.submit(self._read_back)
+        except RuntimeError:  # the session is closing: no call comes after this one
+            self._read_back()
 
     def _read_back(self) -> None:
         """Resolve the launched calls' futures, oldest first (on the trainer's lane)."""
