@@ -262,7 +262,7 @@ def test_fp8_base_compiled_equals_eager_on_cuda() -> None:
 
 
 def test_a_run_with_fp8_and_no_truncated_importance_sampling_says_so_first() -> None:
-    """speed.fp8_base with a loss whose ratio is taken to the sampler (ppo,
+    """speed.fp8_base or engine.vllm_fp8 with a loss whose ratio is taken to the sampler (ppo,
     importance_sampling) and algorithm.tis_cap=0: the run starts with one line naming the key
     to set; with a cap, with cispo (its weight is clipped already) or without FP8: nothing."""
     from workbench.rl.train import fp8_ratio_line
@@ -273,3 +273,8 @@ def test_a_run_with_fp8_and_no_truncated_importance_sampling_says_so_first() -> 
     assert "ppo's ratio" in fp8_ratio_line(fp8)
     for quiet in (["algorithm.tis_cap=2"], ["algorithm.loss=cispo"], ["speed.fp8_base=false"]):
         assert fp8_ratio_line(apply_overrides(fp8, quiet)) == ""
+    vllm = apply_overrides(PRESETS["tiny"], ["engine.name=vllm", "engine.vllm_fp8=true"])
+    assert fp8_ratio_line(vllm).startswith("engine.vllm_fp8 with algorithm.tis_cap=0")
+    both = apply_overrides(vllm, ["speed.fp8_base=true"])
+    assert fp8_ratio_line(both).startswith("speed.fp8_base and engine.vllm_fp8 with")
+    assert fp8_ratio_line(apply_overrides(both, ["algorithm.tis_cap=2"])) == ""

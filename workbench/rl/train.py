@@ -99,17 +99,20 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
 
 
 def fp8_ratio_line(config: RunConfig) -> str:
-    """The line a run with speed.fp8_base and a ratio loss but no truncated importance sampling
-    starts with: the FP8 update scores the sampled tokens far from the bf16 sampler, so PPO's
-    ratio leaves its clip range on most of them (benchmarks/RESULTS.md, "FP8 for the frozen
-    base"). "" when there is nothing to say."""
+    """The line a run with FP8 on one side (speed.fp8_base: the update; engine.vllm_fp8: vLLM)
+    and a ratio loss but no truncated importance sampling starts with: trainer and sampler then
+    score the sampled tokens far apart, so PPO's ratio leaves its clip range on most of them
+    (benchmarks/RESULTS.md, "FP8 for the frozen base", "A step on the H200"). "" when there is
+    nothing to say."""
     a = config.algorithm
-    if not config.speed.fp8_base or a.tis_cap or a.loss not in ("ppo", "importance_sampling"):
+    keys = [k for k, on in (("speed.fp8_base", config.speed.fp8_base),
+                            ("engine.vllm_fp8", config.engine.vllm_fp8)) if on]
+    if not keys or a.tis_cap or a.loss not in ("ppo", "importance_sampling"):
         return ""
-    return ("speed.fp8_base with algorithm.tis_cap=0: the update's FP8 log-probs differ from "
-            f"the sampler's bf16 ones, and {a.loss}'s ratio to the sampler then clips or "
-            "weighs most reply tokens by that error; set algorithm.tis_cap=2 (truncated "
-            "importance sampling)")
+    return (f"{' and '.join(keys)} with algorithm.tis_cap=0: the trainer's and the sampler's "
+            f"log-probs then differ by FP8's rounding, and {a.loss}'s ratio to the sampler "
+            "clips or weighs most reply tokens by that error; set algorithm.tis_cap=2 "
+            "(truncated importance sampling)")
 
 
 def run_eval(trainer: Trainer, name: str = "policy") -> phases.EvalRecord:
