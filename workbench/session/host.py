@@ -363,8 +363,8 @@ def launch_forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: Loss
     with torch.set_grad_enabled(backward), sdpa_order(host), \
             lora_in_model_dtype(model, host.speed.lora_autocast, host.adapted):
         streams = [d.stream for d in datums]
-        keep = [[w != 0 for w in d.weights_T] for d in datums] \
-            if host.speed.loss_tokens_only else None
+        weighted_B_T = [[w != 0 for w in d.weights_T] for d in datums]  # the loss's tokens
+        keep = weighted_B_T if host.speed.loss_tokens_only else None
         logp_B_T, ent_B_T = token_logprobs(model, streams, cfg.temperature, host.fmt.banned,
                                            host.pad_id, keep, host.speed.share_prefix)
         device = logp_B_T[0].device  # the side tables go where the model is (cuda on GPU)
@@ -383,7 +383,7 @@ def launch_forward(host: ModelHost, datums: list[Datum], loss_fn: str, cfg: Loss
             loss.backward()
     set_training(host.modules, False)
     detached = [lp.detach() for lp in logp_B_T]
-    tokens = sum(w != 0 for d in datums for w in d.weights_T)
+    tokens = sum(map(sum, weighted_B_T))
     return LaunchedForward(loss.detach(), metric_tensors(
         detached, sampler_B_T, w_B_T, [e.detach() for e in ent_B_T], cfg, tokens), detached)
 
