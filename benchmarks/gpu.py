@@ -21,8 +21,9 @@ The --warmup steps (compilation, CUDA-graph captures) are left out of the median
 step after them drains the pipeline. Prints each step's line and a JSON summary (medians; tokens/s
 from the logged token counts), also written to --out after each part. After the on-policy steps,
 in the same process (the same vLLM, the same compiled layers): --anchor times the live run's
-rollout by turns and streamed (`engine.stream_rows`) beside vLLM's own 15-turn loop at the same
-shape (`anchor_rollout`: no environment, no workbench code), in turn ("pace"); --numerics scores
+rollout by turns, streamed with every request rendered whole, and streamed (`engine.stream_rows`:
+each turn's new tokens rendered), beside vLLM's own loop over the same prompts
+(`anchor_rollout`: no environment, no workbench code), in turn ("pace"); --numerics scores
 one rollout with the update's forward and with the forward without grad (the KL to the sampler
 and the clip fraction of FP8 against bf16 under `speed.fp8_base`); --then-off-policy switches the
 live run to algorithm.off_policy_steps=1 and times --steps steps more (one fill step before them,
@@ -64,9 +65,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--off-policy", action="store_true", help="algorithm.off_policy_steps=1")
     ap.add_argument("--then-off-policy", action="store_true", help="--steps on-policy, then "
                     "--steps with algorithm.off_policy_steps=1 in the same process")
-    ap.add_argument("--anchor", action="store_true", help="then time vLLM's own loop at the "
-                    "same shape beside the live run's rollout streamed and by turns (engine vllm, "
-                    "in-process)")
+    ap.add_argument("--anchor", action="store_true", help="then time vLLM's own loop over the "
+                    "rollout's prompts beside the live run's rollout streamed and by turns "
+                    "(engine vllm, in-process)")
     ap.add_argument("--numerics", action="store_true", help="then score one rollout's datums "
                     "with the update's forward (grad on: FP8 with speed.fp8_base) and without "
                     "grad (bf16): KL to the sampler and PPO clip fraction of each")
@@ -184,62 +185,142 @@ def off_policy(config: Any) -> Any:
     return replace(config, algorithm=replace(config.algorithm, off_policy_steps=1))
 
 
-ANCHOR_USER = ("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Invalid action. "
-               "This is step 2.<|im_end|>\n<|im_start|>assistant\n")
-"""The fixed next user turn of vLLM's own loop: one image and a line of text."""
+def cut(stream: Any, a: int, b: int) -> Any:
+    """Tokens a..b-1 of a stream, with the images whose runs start there."""
+    from workbench.policy import Stream
+
+    def runs_before(t: int) -> int:
+        types_T = stream.mm_types_T
+        return sum(1 for u in range(t) if types_T[u] and (u == 0 or not types_T[u - 1]))
+
+    return Stream(stream.tokens_T[a:b], stream.mm_types_T[a:b], stream.loss_mask_T[a:b],
+                  stream.logprobs_T[a:b], stream.images[runs_before(a):runs_before(b)])
 
 
-def anchor_rollout(engine: Any, processor: Any, config: Any, args: argparse.Namespace) -> float:
-    """vLLM's own multi-turn loop at the rollout's shape, with no environment and no workbench
-    code in it (shared/gpu/vllm_8b.py's loop): P x G rows, each from its maze's first prompt
-    (the rollout's own), and each of --turns turns `LLM.generate` over all rows, then every row
-    appends its sampled ids, <|im_end|> and a fixed user turn holding the row's first image
-    again. Seeded per row and turn, full-length replies (ignore_eos, as a random model's are).
-    Returns the loop's seconds."""
+def reply_runs(stream: Any) -> list[tuple[int, int]]:
+    """(first, last + 1) of each reply (run of sampled tokens) of a played stream."""
+    mask_T = stream.loss_mask_T
+    starts = [t for t, m in enumerate(mask_T) if m and (t == 0 or not mask_T[t - 1])]
+    ends = [t + 1 for t, m in enumerate(mask_T)
+            if m and (t + 1 == len(mask_T) or not mask_T[t + 1])]
+    return list(zip(starts, ends))
+
+
+def turn_segments(stream: Any) -> list[Any]:
+    """A played stream cut at its replies: the prompt before the first reply, then what
+    followed each reply up to the next one (the user turn the environment appended)."""
+    runs = reply_runs(stream)
+    bounds = [(0, runs[0][0])] + [(end, nxt) for (_, end), (nxt, _) in zip(runs, runs[1:])]
+    return [cut(stream, a, b) for a, b in bounds]
+
+
+def anchor_rollout(engine: Any, episodes: list[Any], max_tokens: int) -> float:
+    """vLLM's own multi-turn loop over a played rollout's own prompts, with no environment and no
+    workbench code in it: each turn one `LLM.generate` over every row, each row's prompt its
+    episode's stream up to that turn (the same tokens, images and content ids as the rollout's
+    requests, `vllm_prompt`) with vLLM's own sampled reply in place of the episode's, rendered
+    whole by vLLM. Seeded per row and turn, full-length replies (ignore_eos, as a random model's
+    are). The prompts are cut before the clock starts. Returns the loop's seconds."""
     from vllm import SamplingParams as VParams
 
     from workbench.policy.vllm_engine import vllm_prompt
 
-    tok, fmt, rows = processor.tokenizer, engine.fmt, args.mazes * args.group
-    close_ids = [fmt.im_end] + tok.encode("\n", add_special_tokens=False)
-    user_ids = tok.encode(ANCHOR_USER, add_special_tokens=False)
-    first = [vllm_prompt(s) for s in first_prompts(processor, config.task, args.mazes)]
-    ids = [list(first[i // args.group]["prompt_token_ids"]) for i in range(rows)]
-    image = [first[i // args.group]["multi_modal_data"]["image"][0] for i in range(rows)]
+    pil_cache: dict[int, Any] = {}
+    parts = [[vllm_prompt(s, pil_cache) for s in turn_segments(ep.stream)] for ep in episodes]
+    ids = [list(p[0]["prompt_token_ids"]) for p in parts]
+    images = [list(p[0]["multi_modal_data"]["image"]) for p in parts]
+    uuids = [list(p[0]["multi_modal_uuids"]["image"]) for p in parts]
     start = time.perf_counter()
-    for k in range(args.turns):
-        prompts = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": [image[i]] * (k + 1)}}
-                   for i in range(rows)]
-        params = [VParams(max_tokens=args.max_tokens, temperature=1.0, ignore_eos=True,
-                          detokenize=False, seed=1000 * i + k) for i in range(rows)]
+    for k in range(min(len(p) for p in parts)):
+        prompts = [{"prompt_token_ids": ids[i], "multi_modal_data": {"image": images[i]},
+                    "multi_modal_uuids": {"image": uuids[i]}} for i in range(len(parts))]
+        params = [VParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True,
+                          detokenize=False, seed=1000 * i + k) for i in range(len(parts))]
         outs = engine.llm.generate(prompts, params, use_tqdm=False)
         for i, out in enumerate(outs):
-            ids[i] += list(out.outputs[0].token_ids) + close_ids + user_ids
+            if k + 1 < len(parts[i]):
+                nxt = parts[i][k + 1]
+                ids[i] = ids[i] + list(out.outputs[0].token_ids) + nxt["prompt_token_ids"]
+                images[i] = images[i] + nxt.get("multi_modal_data", {}).get("image", [])
+                uuids[i] = uuids[i] + nxt.get("multi_modal_uuids", {}).get("image", [])
     return time.perf_counter() - start
+
+
+def render_check(engine: Any, episodes: list[Any], rows: int = 4) -> dict[str, int]:
+    """vLLM's whole rendering of the first `rows` episodes' prompts at every turn against the
+    engine inputs a streamed row makes from its last one (`vllm_render.RowRequests`): the
+    requests compared and, per field, how many differ. Then vLLM's processor caches are cleared
+    (these renders were never sent to its engine core)."""
+    from workbench.policy.vllm_engine import vllm_prompt
+    from workbench.policy.vllm_render import RowRequests, render
+
+    pil_cache: dict[int, Any] = {}
+    made = RowRequests(engine.llm, lambda s: vllm_prompt(s, pil_cache))
+    out = {"requests": 0, "prompt_token_ids": 0, "mm_hashes": 0, "mm_placeholders": 0}
+    for row, ep in enumerate(episodes[:rows]):
+        for first, _ in reply_runs(ep.stream):
+            prefix = cut(ep.stream, 0, first)
+            ours = made.engine_input(row, prefix)
+            whole = render(engine.llm, vllm_prompt(prefix, pil_cache))
+            out["requests"] += 1
+            for key in ("prompt_token_ids", "mm_hashes"):
+                out[key] += ours[key] != whole[key]
+            out["mm_placeholders"] += placeholders(ours) != placeholders(whole)
+    engine.llm.reset_mm_cache()
+    return out
+
+
+def placeholders(engine_input: dict[str, Any]) -> list[tuple[int, int, bool]]:
+    """An engine input's image placeholders: (offset, length, whether all of it is embedded)."""
+    return [(p.offset, p.length, p.is_embed is None)
+            for p in engine_input["mm_placeholders"]["image"]]
 
 
 def rollout_pace(trainer: Any, host: Any, config: Any, args: argparse.Namespace,
                  repeats: int = 2) -> dict[str, Any]:
     """The live run's rollout (`phases.rollout` of the next step's batch, the run's sampler)
-    by turns (engine.stream_rows=false) and streamed, and vLLM's own loop (`anchor_rollout`),
-    in turn, `repeats` times; medians and the ratios to vLLM's own loop."""
+    by turns (engine.stream_rows=false), streamed with each request rendered whole (as
+    `LLM.enqueue` renders it), streamed (each turn's new tokens rendered: the default), and
+    vLLM's own loop over the last streamed rollout's prompts (`anchor_rollout`), in turn,
+    `repeats` times; medians, the ratios to vLLM's own loop, the prompt tokens vLLM counted
+    in the last run of each, and `render_check`."""
     from workbench.rl import phases
     from workbench.rl.schedule import step_batch
 
+    engine = host.engine
     sampler = trainer.training_client.save_weights_and_get_sampling_client()
     batch = step_batch(config, trainer.step + 1)
-    runs: dict[str, list[float]] = {"by_turns": [], "streamed": [], "anchor": []}
+    modes = ("by_turns", "streamed_whole", "streamed", "anchor")
+    runs: dict[str, list[float]] = {mode: [] for mode in modes}
+    tokens: dict[str, dict[str, int]] = {}
+    episodes: list[Any] = []
     for _ in range(repeats):
-        for mode in ("by_turns", "streamed"):  # by turns first: it merges the version once
-            host.engine.stream_rows = mode == "streamed"
-            runs[mode].append(phases.rollout(sampler, batch).seconds)
-        runs["anchor"].append(anchor_rollout(host.engine, host.lm.processor, config, args))
-    host.engine.stream_rows = config.engine.stream_rows
+        for mode in modes:  # by turns first: it merges the version once
+            before = prompt_counts(engine.llm)
+            if mode == "anchor":
+                runs[mode].append(anchor_rollout(engine, episodes, args.max_tokens))
+            else:
+                engine.stream_rows = mode != "by_turns"
+                engine.render_by_turn = mode == "streamed"
+                record = phases.rollout(sampler, batch)
+                runs[mode].append(record.seconds)
+                episodes = [ep for group in record.episodes_P_G for ep in group]
+            tokens[mode] = {k: v - before[k] for k, v in prompt_counts(engine.llm).items()}
+    engine.stream_rows, engine.render_by_turn = config.engine.stream_rows, True
     out: dict[str, Any] = {f"{k}_runs_s": v for k, v in runs.items()}
     med = {k: statistics.median(v) for k, v in runs.items()}
     return out | {f"{k}_s": v for k, v in med.items()} | {
-        "streamed_over_anchor": med["streamed"] / med["anchor"],
-        "by_turns_over_anchor": med["by_turns"] / med["anchor"]}
+        f"{k}_over_anchor": med[k] / med["anchor"] for k in modes[:-1]} | {
+        "prompt_tokens": tokens, "render_check": render_check(engine, episodes)}
+
+
+def prompt_counts(llm: Any) -> dict[str, int]:
+    """vLLM's counters of prompt tokens, and of those found in its prefix cache."""
+    from workbench.policy.vllm_engine import counter_total
+
+    metrics = llm.get_metrics()
+    return {"prompt": counter_total(metrics, "vllm:prompt_tokens"),
+            "cached": counter_total(metrics, "vllm:prefix_cache_hits")}
 
 
 def fresh_datums(trainer: Any, config: Any) -> list[Any]:

@@ -133,6 +133,15 @@ def test_the_glue_engine_plays_every_turn_of_the_8b_shapes_rollout() -> None:
     assert len(flat) == 4 and all(ep.turns == 3 for ep in flat)
     assert all(ep.sampled_tokens == [reply] * 3 for ep in flat)
     assert all(ep.stream.mm_types_T.count(1) == 3 * 64 for ep in flat)
+    for ep in flat:  # vLLM's own loop replays each stream: its turns' segments between replies
+        segments, runs = gpu.turn_segments(ep.stream), gpu.reply_runs(ep.stream)
+        assert len(segments) == len(runs) == 3
+        rebuilt = sum((seg.tokens_T + ep.stream.tokens_T[a:b]
+                       for seg, (a, b) in zip(segments, runs)), [])
+        assert rebuilt == ep.stream.tokens_T[:runs[-1][1]]  # the last reply's <|im_end|> after
+        assert ep.stream.tokens_T[runs[0][0]:runs[0][1]] == reply
+        assert [im for seg in segments for im in seg.images] == list(ep.stream.images)
+        assert [len(seg.images) for seg in segments] == [1, 1, 1]
 
 
 def test_the_update_probe_reads_a_trace_as_a_timeline() -> None:

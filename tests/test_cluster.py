@@ -245,13 +245,17 @@ def test_engine_speed_metrics_merge_fast_paths_and_cache_counts() -> None:
     from workbench.cluster.ray_session import merge_speed_metrics
 
     rows = [{"speed/cuda_graphs": 1.0, "vllm/prefix_cache_queried_tokens": 300.0,
-             "vllm/prefix_cache_hit_rate": 0.9, "vllm/generate_s": 2.5},
+             "vllm/prefix_cache_hit_rate": 0.9, "vllm/generate_s": 2.5, "vllm/requests": 60.0,
+             "vllm/requests_rendered_whole": 4.0},
             {"speed/cuda_graphs": 0.0, "vllm/prefix_cache_queried_tokens": 100.0,
-             "vllm/prefix_cache_hit_rate": 0.5, "vllm/generate_s": 3.0}]
+             "vllm/prefix_cache_hit_rate": 0.5, "vllm/generate_s": 3.0, "vllm/requests": 30.0,
+             "vllm/requests_rendered_whole": 3.0}]
     assert merge_speed_metrics(rows) == {"speed/cuda_graphs": 0.0,
                                          "vllm/prefix_cache_queried_tokens": 400.0,
                                          "vllm/prefix_cache_hit_rate": (270 + 50) / 400,
-                                         "vllm/generate_s": 3.0}  # engines run side by side
+                                         "vllm/generate_s": 3.0,  # engines run side by side
+                                         "vllm/requests": 90.0,
+                                         "vllm/requests_rendered_whole": 7.0}
     assert merge_speed_metrics([{"speed/compile_decode": 1.0}, {}]) == {
         "speed/compile_decode": 1.0}  # an engine without the path does not veto it
 

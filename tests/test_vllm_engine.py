@@ -58,6 +58,7 @@ from workbench.policy.vllm_engine import (
     turn_seed,
     vllm_prompt,
 )
+from workbench.policy.vllm_render import RowRequests
 from workbench.rl import phases
 from workbench.rl.rollout import observe, play_episodes
 from workbench.session import Session, SessionSpec, create_session, datum_from_stream
@@ -90,6 +91,29 @@ class FakeRequestOutput:
     finished: bool = True
 
 
+@dataclass(frozen=True)
+class FakeRange:
+    """vllm.multimodal.inputs.PlaceholderRange's fields we move."""
+
+    offset: int
+    length: int
+
+
+class MultiModalProcessorSenderCache:
+    """vLLM's front-end mirror of its engine core's processor cache (its class name is how the
+    engine knows it): the content ids held, least recently used first."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, None] = {}
+
+    def is_cached_item(self, mm_hash: str) -> bool:
+        return mm_hash in self.held
+
+    def touch_sender_cache_item(self, mm_hash: str) -> None:
+        self.held.pop(mm_hash, None)
+        self.held[mm_hash] = None
+
+
 @dataclass
 class FakeVLLM:
     """State of the fake: what LLM() and generate() were called with, and how to answer."""
@@ -106,7 +130,10 @@ class FakeVLLM:
     payloads: list[type] = field(default_factory=list)  # bytes (shared) or list (in-process)
     rpcs: list[str] = field(default_factory=list)  # collective_rpc methods, in order
     resets: int = 0  # reset_prefix_cache() calls
-    enqueued: list[dict[str, Any]] = field(default_factory=list)  # LLM.enqueue's requests
+    enqueued: list[dict[str, Any]] = field(default_factory=list)  # add_request's, in order
+    requests: dict[str, dict[str, Any]] = field(default_factory=dict)  # the same, by id
+    renders: list[dict[str, Any]] = field(default_factory=list)  # prompts render_cmpl got
+    mm_cache: Any = None  # the renderer's processor cache (a MultiModalProcessorSenderCache)
     queue: list[str] = field(default_factory=list)  # ids of enqueued requests not yet finished
     events: list[tuple[str, str]] = field(default_factory=list)  # ("sent" | "done", request id)
     aborted: list[str] = field(default_factory=list)  # llm_engine.abort_request's ids
@@ -117,17 +144,40 @@ class FakeVLLM:
         return -0.125 * (call + 1) - 0.01 * position
 
     def answer(self, prompt: dict, call: int) -> FakeRequestOutput:
-        """The output for one prompt: its image pads expanded, reply_ids(call) with their
-        log-probs."""
+        """The output for one prompt (a TokensPrompt, or an engine input the renderer made):
+        its image pads expanded, reply_ids(call) with their log-probs."""
         reply = self.reply_ids(call)
-        images = iter(prompt.get("multi_modal_data", {}).get("image", []))
-        expanded = [t for tok in prompt["prompt_token_ids"]
-                    for t in ([tok] * self.image_tokens(next(images))
-                              if tok == self.image_pad else [tok])]
+        expanded = prompt["prompt_token_ids"] if "type" in prompt else self.render(prompt, False)
         self.count_cache(expanded)
         lps = [{tok: types.SimpleNamespace(logprob=self.logprob(call, k))}
                for k, tok in enumerate(reply)]
         return FakeRequestOutput(expanded, [FakeOutput(list(reply), lps)])
+
+    def render(self, prompt: dict, cached: bool = True) -> Any:
+        """LLM.renderer.render_cmpl on one TokensPrompt, as vLLM 0.26 renders one: each image
+        pad expanded to its image's tokens (a placeholder range each), its content id as its
+        hash, and its tensors sent unless the processor cache holds them (then None; the cache
+        touched, in order). cached=False: just the expanded token ids."""
+        images = iter(prompt.get("multi_modal_data", {}).get("image", []))
+        ids: list[int] = []
+        ranges = []
+        for tok in prompt["prompt_token_ids"]:
+            count = self.image_tokens(next(images)) if tok == self.image_pad else 1
+            if tok == self.image_pad:
+                ranges.append(FakeRange(len(ids), count))
+            ids += [tok] * count
+        if not cached:
+            return ids
+        self.renders.append(prompt)
+        hashes = list(prompt.get("multi_modal_uuids", {}).get("image", []))
+        if not hashes:
+            return {"type": "token", "prompt_token_ids": ids}
+        items = [None if self.mm_cache.is_cached_item(h) else f"tensors of {h}" for h in hashes]
+        for h in hashes:
+            self.mm_cache.touch_sender_cache_item(h)
+        return {"type": "multimodal", "prompt_token_ids": ids, "arrival_time": 0.0,
+                "mm_kwargs": {"image": items}, "mm_hashes": {"image": hashes},
+                "mm_placeholders": {"image": ranges}}
 
     def generate(self, prompts: list[dict], params: list[Any], lora_request: Any = None,
                  use_tqdm: bool = True) -> list[FakeRequestOutput]:
@@ -135,24 +185,21 @@ class FakeVLLM:
         self.calls.append(dict(prompts=prompts, params=params, lora=lora_request))
         return [self.answer(prompt, call) for prompt in prompts]
 
-    def enqueue(self, prompts: list[dict], params: list[Any], lora_request: Any = None,
-                use_tqdm: bool = True) -> list[str]:
-        """LLM.enqueue: queued, answered by later llm_engine.step() calls. A request's reply is
-        reply_ids(turn), its turn counted by its images (a maze turn adds one), so a streamed
-        rollout gets the replies a rollout of one generate per turn gets. Like vLLM 0.26 it
-        returns each request's number with '-' and 8 random characters, which the outputs
-        leave out."""
-        assert use_tqdm is False, "a progress bar for every queued request"
-        ids = []
-        for prompt, param in zip(prompts, params, strict=True):
-            request = str(len(self.enqueued))
-            turn = len(prompt["multi_modal_data"]["image"]) - 1
-            self.enqueued.append(dict(id=request, prompt=prompt, params=param,
-                                      lora=lora_request, turn=turn))
-            self.queue.append(request)
-            self.events.append(("sent", request))
-            ids.append(f"{request}-{np.random.default_rng().integers(16**8):08x}")
-        return ids
+    def add_request(self, request_id: str, prompt: dict, params: Any,
+                    lora_request: Any = None) -> str:
+        """llm_engine.add_request of a rendered engine input: queued, answered by later
+        llm_engine.step() calls. A request's reply is reply_ids(turn), its turn counted by its
+        images (a maze turn adds one), so a streamed rollout gets the replies a rollout of one
+        generate per turn gets. Like vLLM 0.26 it returns the id with '-' and 8 random
+        characters, which the outputs leave out."""
+        assert prompt["type"] == "multimodal" and request_id not in self.requests
+        turn = len(prompt["mm_hashes"]["image"]) - 1
+        self.requests[request_id] = dict(id=request_id, prompt=prompt, params=params,
+                                         lora=lora_request, turn=turn)
+        self.enqueued.append(self.requests[request_id])
+        self.queue.append(request_id)
+        self.events.append(("sent", request_id))
+        return f"{request_id}-{np.random.default_rng().integers(16**8):08x}"
 
     def step(self) -> list[FakeRequestOutput]:
         """llm_engine.step(): the two requests queued last are finished, newest first (vLLM
@@ -160,7 +207,7 @@ class FakeVLLM:
         done = [self.queue.pop() for _ in range(min(2, len(self.queue)))]
         outputs = []
         for request in done:
-            sent = self.enqueued[int(request)]
+            sent = self.requests[request]
             out = self.answer(sent["prompt"], sent["turn"])
             outputs.append(replace(out, request_id=request))
             self.events.append(("done", request))
@@ -218,8 +265,12 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
             state.llm_kwargs.append(kwargs)
             self.llm_engine = types.SimpleNamespace(
                 reset_encoder_cache=self._encoder_reset, step=state.step,
-                abort_request=state.abort,
+                abort_request=state.abort, add_request=state.add_request,
                 engine_core=types.SimpleNamespace(shutdown=self._shutdown))
+            state.mm_cache = state.mm_cache or MultiModalProcessorSenderCache()
+            self.renderer = types.SimpleNamespace(
+                render_cmpl=lambda prompts: [state.render(p) for p in prompts],
+                mm_processor_cache=state.mm_cache)
 
         def _encoder_reset(self) -> None:
             state.encoder_resets += 1
@@ -229,9 +280,6 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
 
         def generate(self, *args: Any, **kwargs: Any) -> list[FakeRequestOutput]:
             return state.generate(*args, **kwargs)
-
-        def enqueue(self, *args: Any, **kwargs: Any) -> list[str]:
-            return state.enqueue(*args, **kwargs)
 
         def get_metrics(self) -> list[Any]:
             return state.metrics()
@@ -247,7 +295,10 @@ def _fake_module(state: FakeVLLM) -> dict[str, types.ModuleType]:
     lora, request = types.ModuleType("vllm.lora"), types.ModuleType("vllm.lora.request")
     request.LoRARequest = lambda **kw: types.SimpleNamespace(**kw)
     vllm.lora, lora.request = lora, request
-    return {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request}
+    kinds = types.ModuleType("vllm.sampling_params")
+    kinds.RequestOutputKind = types.SimpleNamespace(FINAL_ONLY="final only")
+    return {"vllm": vllm, "vllm.lora": lora, "vllm.lora.request": request,
+            "vllm.sampling_params": kinds}
 
 
 @pytest.fixture
@@ -283,19 +334,27 @@ def vllm_session(fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path) -> Iterato
     session.close()
 
 
-def _two_turn_stream(tiny) -> Stream:
-    """System, observation, a reply (the oracle's move), a second observation: two different
-    images."""
+def _turn_streams(tiny, turns: int = 2) -> list[Stream]:
+    """A row's prompt at each of `turns` turns: system and observation, then the oracle's move
+    as the reply and the next observation (a different image each turn)."""
     fmt = chat_format(tiny.processor)
     env = MazeEnv(SMALL)
     obs, info = env.reset(options={"init_state": eval_set(5, 1)[0]})
-    stream = observe(start_stream(tiny.processor, fmt, system_prompt(SMALL)), tiny.processor,
-                     fmt, obs, info, SMALL)
-    word = format_action(oracle_actions(env.maze, env.pos)[0], SMALL.grammar)
-    reply = tiny.processor.tokenizer.encode(word, add_special_tokens=False) + [fmt.im_end]
-    stream = append_reply(stream, fmt, reply, [-0.5] * len(reply))
-    obs, _, _, _, info = env.step(word)
-    return observe(stream, tiny.processor, fmt, obs, info, SMALL)
+    streams = [observe(start_stream(tiny.processor, fmt, system_prompt(SMALL)), tiny.processor,
+                       fmt, obs, info, SMALL)]
+    for _ in range(turns - 1):
+        word = format_action(oracle_actions(env.maze, env.pos)[0], SMALL.grammar)
+        reply = tiny.processor.tokenizer.encode(word, add_special_tokens=False) + [fmt.im_end]
+        stream = append_reply(streams[-1], fmt, reply, [-0.5] * len(reply))
+        obs, _, _, _, info = env.step(word)
+        streams.append(observe(stream, tiny.processor, fmt, obs, info, SMALL))
+    return streams
+
+
+def _two_turn_stream(tiny) -> Stream:
+    """System, observation, a reply (the oracle's move), a second observation: two different
+    images."""
+    return _turn_streams(tiny)[-1]
 
 
 # ------------------------------------------------------------------ selection
@@ -824,7 +883,6 @@ def test_a_streamed_rollout_is_the_rollout_by_turns(fake_vllm: FakeVLLM, tiny_di
     one generate a turn gets: the same replies, streams, log-probs and moves, each request the
     row's stream so far; row b's turn t is seeded turn_seed(base, b, t), base the rollout's one
     draw, so the seeds do not depend on the order rows come back in."""
-    fmt = chat_format(tiny.processor)
     by_turns = [ep for group in _vllm_rollout(tiny_dir, tmp_path / "a", 7, stream_rows=False)
                 for ep in group]
     generated = len(fake_vllm.calls)
@@ -849,10 +907,77 @@ def test_a_streamed_rollout_is_the_rollout_by_turns(fake_vllm: FakeVLLM, tiny_di
         row, turn = seeds[request["params"].seed]
         assert turn == request["turn"] and request["lora"].lora_name == "v0"
         stream = streamed[row].stream
-        ids = expand_image_pads(request["prompt"]["prompt_token_ids"],
-                                stream.images[:turn + 1], fmt)
+        ids = request["prompt"]["prompt_token_ids"]  # rendered: image pads expanded
         assert stream.tokens_T[:len(ids)] == ids  # the row's stream up to its turn-t reply
         assert stream.loss_mask_T[len(ids)] == 1 and stream.loss_mask_T[len(ids) - 1] == 0
+
+
+def _prefix(stream: Stream, tokens: int, images: int) -> Stream:
+    """The first `tokens` tokens of a stream, with its first `images` images."""
+    return Stream(stream.tokens_T[:tokens], stream.mm_types_T[:tokens],
+                  stream.loss_mask_T[:tokens], stream.logprobs_T[:tokens], stream.images[:images])
+
+
+def test_a_streamed_row_renders_only_each_turns_new_tokens(fake_vllm: FakeVLLM, tiny_dir: Path,
+                                                           tmp_path: Path) -> None:
+    """A streamed row's first request is rendered whole; each later one is its last request
+    with only the turn's new tokens and image rendered: the same engine input as rendering the
+    row's whole stream (tokens, content ids, placeholders), its older images sent as None (the
+    engine core holds them) and each touched in the cache in order. The speed metrics count
+    the requests and those rendered whole."""
+    session = _vllm_session(tiny_dir, tmp_path / "s")
+    try:
+        sampler = session.training_client.save_weights_and_get_sampling_client()
+        episodes = [ep for group in sampler.play(play_episodes, SMALL, eval_set(5, 2), 2,
+                                                 SamplingParams(max_tokens=3), 0).result()
+                    for ep in group]
+        metrics = session.speed_metrics().result()
+    finally:
+        session.close()
+    rows = len(episodes)
+    assert (metrics["vllm/requests"], metrics["vllm/requests_rendered_whole"]) == \
+        (rows * len(SCRIPT), rows)
+    rendered_images = [len(r.get("multi_modal_data", {}).get("image", []))
+                       for r in fake_vllm.renders]
+    assert sorted(rendered_images) == [1] * rows * len(SCRIPT)  # never a whole stream again
+    reference = replace(fake_vllm, renders=[], mm_cache=MultiModalProcessorSenderCache())
+    for request in fake_vllm.enqueued:
+        made, turn = request["prompt"], request["turn"]
+        [ep] = [e for e in episodes if e.stream.tokens_T[:len(made["prompt_token_ids"])]
+                == made["prompt_token_ids"] and len(e.stream) > len(made["prompt_token_ids"])][:1]
+        whole = reference.render(vllm_prompt(_prefix(ep.stream, len(made["prompt_token_ids"]),
+                                                     turn + 1)))
+        for key in ("prompt_token_ids", "mm_hashes", "mm_placeholders"):
+            assert made[key] == whole[key], key
+        assert made["mm_kwargs"]["image"][:turn] == [None] * turn
+    assert list(fake_vllm.mm_cache.held) == list(reference.mm_cache.held)
+
+
+def test_a_prompt_that_does_not_extend_its_rows_last_is_rendered_whole(fake_vllm: FakeVLLM,
+                                                                       tiny) -> None:
+    """RowRequests renders a row's prompt whole when it is not its last prompt with tokens
+    appended (here: the same row starts over), when vLLM's cache evicted one of the last
+    request's images, and always under a processor cache it does not know (said once)."""
+    first, second, third = _turn_streams(tiny, 3)
+    llm = types.SimpleNamespace(renderer=types.SimpleNamespace(
+        render_cmpl=lambda prompts: [fake_vllm.render(p) for p in prompts],
+        mm_processor_cache=MultiModalProcessorSenderCache()))
+    fake_vllm.mm_cache = llm.renderer.mm_processor_cache
+    rows = RowRequests(llm, vllm_prompt)
+    for stream in (first, second, first, second):
+        rows.engine_input(0, stream)
+    assert (rows.made, rows.whole) == (4, 2)  # first, second, first again (whole), second
+    [evicted] = vllm_prompt(first)["multi_modal_uuids"]["image"]
+    del fake_vllm.mm_cache.held[evicted]
+    made = rows.engine_input(0, third)
+    assert rows.whole == 3 and made["mm_kwargs"]["image"][0] == f"tensors of {evicted}"
+    assert made["prompt_token_ids"] == third.tokens_T
+    other = types.SimpleNamespace(renderer=types.SimpleNamespace(
+        render_cmpl=llm.renderer.render_cmpl, mm_processor_cache=object()))
+    with pytest.warns(RuntimeWarning, match="each request is rendered whole"):
+        rows = RowRequests(other, vllm_prompt)
+    rows.engine_input(0, first), rows.engine_input(0, second)
+    assert rows.whole == 2
 
 
 def test_a_failed_streamed_rollout_leaves_no_request_in_vllm(fake_vllm: FakeVLLM,
@@ -884,7 +1009,7 @@ def test_prefix_cache_hits_are_reported_per_step(vllm_session: Session, fake_vll
     assert step1["vllm/generate_s"] > 0.0  # 3 generate calls, timed
     assert vllm_session.speed_metrics().result() == {  # nothing ran since: nothing queried
         "vllm/prefix_cache_queried_tokens": 0.0, "vllm/prefix_cache_hit_rate": 0.0,
-        "vllm/generate_s": 0.0}
+        "vllm/generate_s": 0.0, "vllm/requests": 0.0, "vllm/requests_rendered_whole": 0.0}
 
 
 # ------------------------------------------------------------------ real vLLM (GPU only)

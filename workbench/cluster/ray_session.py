@@ -222,8 +222,9 @@ class RaySession:
 
 def merge_speed_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     """The engines' speed metrics as one row: a `speed/*` fast path runs when it runs on every
-    engine (min); vLLM's prefix-cache tokens add up, its hit rate is their weighted mean, and
-    the seconds inside vLLM's generate are the longest engine's (they run side by side)."""
+    engine (min); vLLM's prefix-cache tokens add up, its hit rate is their weighted mean, the
+    seconds inside vLLM's calls are the longest engine's (they run side by side), and the
+    streamed requests (and those rendered whole) add up."""
     out = {k: min(r.get(k, 1.0) for r in rows)
            for k in {k for r in rows for k in r} if k.startswith("speed/")}
     queried = [r.get("vllm/prefix_cache_queried_tokens", 0.0) for r in rows]
@@ -234,6 +235,9 @@ def merge_speed_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
         out["vllm/prefix_cache_hit_rate"] = hits / total if total else 0.0
     if any("vllm/generate_s" in r for r in rows):
         out["vllm/generate_s"] = max(r.get("vllm/generate_s", 0.0) for r in rows)
+    for key in ("vllm/requests", "vllm/requests_rendered_whole"):
+        if any(key in r for r in rows):
+            out[key] = sum(r.get(key, 0.0) for r in rows)
     return out
 
 

@@ -6,10 +6,12 @@ Every request sends a row's whole stream as a token prompt; vLLM's prefix cache
 turns, the G rows of one maze - so a turn prefills only its new tokens, as our KV cache does.
 
 A multi-turn rollout is streamed (`engine.stream_rows`, `VLLMEngine.stream`): every row's first
-turn is queued (`LLM.enqueue`), and as vLLM's engine finishes a request (`llm_engine.step()`)
-that row's environment steps and its next turn is queued at once, while vLLM's engine core (its
-own process) samples the other rows. No turn waits for the batch's slowest row, and the
-workbench's work between turns runs beside the GPU's instead of between its turns.
+turn is queued (`llm_engine.add_request`), and as vLLM's engine finishes a request
+(`llm_engine.step()`) that row's environment steps and its next turn is queued at once, while
+vLLM's engine core (its own process) samples the other rows. No turn waits for the batch's
+slowest row, and the workbench's work between turns runs beside the GPU's instead of between its
+turns. A row's next request is its last one with the turn's new tokens rendered and appended
+(`vllm_render.RowRequests`), not the whole stream rendered again as `LLM.enqueue` would.
 `engine.stream_rows=false` runs one `LLM.generate` per turn over all live rows.
 
 What one row sends:
@@ -32,7 +34,7 @@ letting the update go silently off-policy.
 
 Prefix caching is shown, not assumed: `cache_metrics()` (logged each step as
 `vllm/prefix_cache_hit_rate` through the host's speed metrics) reads vLLM's own counters. It also
-gives `vllm/generate_s`, the seconds spent inside `LLM.generate` since the last call: a rollout's
+gives `vllm/generate_s`, the seconds spent inside vLLM's calls since the last call: a rollout's
 time minus that is the workbench's own (environment, prompts, parsing).
 
 Tested with vLLM 0.26.0 (torch 2.11, CUDA 13) on one H200: tests/test_vllm_engine.py's real-vLLM
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import itertools
 import shutil
 import time
 import warnings
@@ -60,6 +63,7 @@ from workbench.policy.graphs import warn_fallback
 from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
 from workbench.policy.vllm_merged import WORKER_EXTENSION, push_merged
+from workbench.policy.vllm_render import RowRequests
 
 INSTALL_HINT = (
     "engine.name=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
@@ -324,13 +328,18 @@ class VLLMEngine:
         self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
         self.generate_s = 0.0  # seconds inside LLM.generate since the last cache_metrics()
         self.closed = False  # close() stopped vLLM's engine core
+        self.render_by_turn = True  # streamed rows: render each turn's new tokens (vllm_render)
+        self.request_ids = itertools.count()  # streamed requests' ids: wb0, wb1, ...
+        self.requests = self.requests_whole = 0  # streamed since the last cache_metrics()
         dtype = str(lm.model.dtype).removeprefix("torch.")
         length = checked_max_len(settings, dtype, model_max_len(lm.model.config))
         if torch.cuda.is_available():
             check_memory_share(settings.gpu_memory_utilization, *torch.cuda.mem_get_info())
         self.llm = self.vllm.LLM(**engine_kwargs(lm.path, settings, lora_rank, dtype, length))
-        if self.stream_rows and not hasattr(self.llm, "enqueue"):
-            warn_fallback("engine.stream_rows", "this vLLM has no LLM.enqueue (0.26.0 has): a "
+        kinds = importlib.import_module("vllm.sampling_params").RequestOutputKind
+        self.final_only = kinds.FINAL_ONLY
+        if self.stream_rows and not hasattr(self.llm, "renderer"):
+            warn_fallback("engine.stream_rows", "this vLLM has no LLM.renderer (0.26.0 has): a "
                           "rollout samples a turn at a time")
             self.stream_rows = False
 
@@ -386,15 +395,20 @@ class VLLMEngine:
     def cache_metrics(self) -> dict[str, float]:
         """`vllm/*`: prompt tokens looked up in the prefix cache since the last call, and the
         share found there (each turn resends the whole stream: all but its new tokens should
-        hit), and the seconds spent inside vLLM's generate."""
+        hit), the seconds spent inside vLLM's calls, and the streamed requests queued and how
+        many of them were rendered whole (a row's first turn; any more: a prompt that did not
+        extend its row's last one, or its images evicted from vLLM's processor cache)."""
         metrics = self.llm.get_metrics()
         seen = (counter_total(metrics, PREFIX_QUERIES), counter_total(metrics, PREFIX_HITS))
         queries, hits = seen[0] - self.cache_seen[0], seen[1] - self.cache_seen[1]
         self.cache_seen = seen
         generate_s, self.generate_s = self.generate_s, 0.0
+        requests, whole = self.requests, self.requests_whole
+        self.requests = self.requests_whole = 0
         return {"vllm/prefix_cache_queried_tokens": float(queries),
                 "vllm/prefix_cache_hit_rate": hits / queries if queries else 0.0,
-                "vllm/generate_s": generate_s}
+                "vllm/generate_s": generate_s, "vllm/requests": float(requests),
+                "vllm/requests_rendered_whole": float(whole)}
 
     def open(self, prompts_P: list[Stream], n: int) -> VLLMRows:
         """Rows p * n + g = prompt p (prefix caching shares its prefill among the n)."""
@@ -410,18 +424,23 @@ class VLLMEngine:
 
     def stream(self, prompts_P: list[Stream], n: int, params: SamplingParams,
                generator: torch.Generator | None, step_row: StepRow) -> None:
-        """Every row's first turn is queued (`LLM.enqueue`); then, as vLLM's engine finishes
-        requests (`llm_engine.step()`), each finished row goes through `step_row` at once and its
-        next prompt is queued while vLLM goes on with the other rows. Row b's turn t is seeded
-        by `turn_seed` (one draw from `generator` for the whole rollout)."""
+        """Every row's first turn is queued (`llm_engine.add_request`); then, as vLLM's engine
+        finishes requests (`llm_engine.step()`), each finished row goes through `step_row` at
+        once and its next prompt is queued while vLLM goes on with the other rows: rendered from
+        the row's last request and the turn's new tokens (`vllm_render.RowRequests`; whole with
+        `render_by_turn` off). Row b's turn t is seeded by `turn_seed` (one draw from
+        `generator` for the whole rollout)."""
         base = row_seeds(1, generator)[0]
         lora, pil_cache = self.lora_request(), dict[int, Any]()
+        rows = RowRequests(self.llm, lambda s: vllm_prompt(s, pil_cache), self.render_by_turn)
         sent: dict[str, tuple[int, int, Stream]] = {}  # request id -> (row, turn, prompt)
 
         def send(row: int, turn: int, stream: Stream) -> None:
             vparams = sampling_params(self.vllm, params, self.fmt, turn_seed(base, row, turn))
-            [request] = self.llm.enqueue([vllm_prompt(stream, pil_cache)], [vparams],
-                                         lora_request=lora, use_tqdm=False)
+            vparams.output_kind = self.final_only  # as LLM.enqueue queues: no partial outputs
+            request = self.llm.llm_engine.add_request(
+                f"wb{next(self.request_ids)}", rows.engine_input(row, stream), vparams,
+                lora_request=lora)
             sent[output_id(request)] = (row, turn, stream)
 
         start, stepping = time.perf_counter(), 0.0
@@ -446,6 +465,8 @@ class VLLMEngine:
             if sent:  # an error stopped the rollout: no request of it stays in vLLM's queue
                 self.llm.llm_engine.abort_request(list(sent.keys()))
             self.generate_s += time.perf_counter() - start - stepping
+            self.requests += rows.made
+            self.requests_whole += rows.whole
 
     def lora_request(self) -> Any:
         """The LoRARequest of the version in use (None: the base, or merged weights)."""
