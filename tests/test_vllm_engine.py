@@ -58,7 +58,7 @@ from workbench.policy.vllm_engine import (
     turn_seed,
     vllm_prompt,
 )
-from workbench.policy.vllm_render import RowRequests
+from workbench.policy.vllm_render import RowRequests, old_items
 from workbench.rl import phases
 from workbench.rl.rollout import observe, play_episodes
 from workbench.session import Session, SessionSpec, create_session, datum_from_stream
@@ -978,6 +978,25 @@ def test_a_prompt_that_does_not_extend_its_rows_last_is_rendered_whole(fake_vllm
         rows = RowRequests(other, vllm_prompt)
     rows.engine_input(0, first), rows.engine_input(0, second)
     assert rows.whole == 2
+
+
+def test_a_rows_older_images_are_sent_as_vllms_cache_would_send_them() -> None:
+    """old_items: under vLLM's IPC sender cache the engine core holds a row's older images, so
+    the next request sends None for each (each touched, in order); under a front-end-only cache
+    or none, each goes with the tensors the last request sent; an evicted one: render whole."""
+    last = {"mm_hashes": {"image": ["a", "b"]}, "mm_kwargs": {"image": ["tensors a", None]}}
+
+    class MultiModalProcessorOnlyCache(MultiModalProcessorSenderCache):
+        pass
+
+    sender, front = MultiModalProcessorSenderCache(), MultiModalProcessorOnlyCache()
+    for cache in (sender, front):
+        cache.held = {"b": None, "c": None, "a": None}
+    assert old_items(sender, last) == [None, None] and list(sender.held) == ["c", "a", "b"]
+    assert old_items(front, last) == ["tensors a", None] and list(front.held) == ["c", "a", "b"]
+    assert old_items(None, last) == ["tensors a", None]
+    del sender.held["a"]
+    assert old_items(sender, last) is None and list(sender.held) == ["c", "b"]  # none touched
 
 
 def test_a_failed_streamed_rollout_leaves_no_request_in_vllm(fake_vllm: FakeVLLM,

@@ -326,7 +326,7 @@ class VLLMEngine:
         self.merged_version: int | None = None  # the version in vLLM's weights (merged only)
         self.model: Any = None  # the peft model whose versions are merged (merged only)
         self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
-        self.generate_s = 0.0  # seconds inside LLM.generate since the last cache_metrics()
+        self.generate_s = 0.0  # seconds inside vLLM's calls since the last cache_metrics()
         self.closed = False  # close() stopped vLLM's engine core
         self.render_by_turn = True  # streamed rows: render each turn's new tokens (vllm_render)
         self.request_ids = itertools.count()  # streamed requests' ids: wb0, wb1, ...
