@@ -198,12 +198,12 @@ def cut(stream: Any, a: int, b: int) -> Any:
 
 
 def reply_runs(stream: Any) -> list[tuple[int, int]]:
-    """(first, last + 1) of each reply (run of sampled tokens) of a played stream."""
-    mask_T = stream.loss_mask_T
-    starts = [t for t, m in enumerate(mask_T) if m and (t == 0 or not mask_T[t - 1])]
-    ends = [t + 1 for t, m in enumerate(mask_T)
-            if m and (t + 1 == len(mask_T) or not mask_T[t + 1])]
-    return list(zip(starts, ends))
+    """(first, last + 1) of each reply of a played stream (`Stream.reply_index_T`'s runs)."""
+    runs: dict[int, tuple[int, int]] = {}
+    for t, reply in enumerate(stream.reply_index_T()):
+        if reply >= 0:
+            runs[reply] = (runs.get(reply, (t, t))[0], t + 1)
+    return list(runs.values())
 
 
 def turn_segments(stream: Any) -> list[Any]:
