@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: setup chromium test test-fast demo demo-long bench bench-notebooks bench-scale bench-trl bench-gpu lint typecheck lab lock lock-gpu clean
+.PHONY: setup chromium test test-fast test-gpu demo demo-long bench bench-notebooks bench-scale bench-trl bench-gpu lint typecheck lab lock lock-gpu clean
 
 setup: $(STAMP) chromium
 
@@ -41,6 +41,13 @@ test: setup lint typecheck
 # The inner loop (under 3 min on 2 cores): the markers are assigned in tests/conftest.py.
 test-fast: setup lint typecheck
 	$(BIN)/python -m pytest -m "not slow and not ray and not notebook and not browser and not gpu"
+
+# Every GPU path in one command (benchmarks/gpu_paths.py): each sampler mode on each executor
+# (in-process, Ray started by the run, a driver over ray://), seed_gpu at the 8B shape in-process
+# and on Ray, and `pytest -m gpu`; one table, within 10 minutes on one H200. Runs on a CUDA
+# machine whose python3 has vllm and ray (pip install '.[gpu,ray]'); not part of `make test`.
+test-gpu:
+	python3 -m benchmarks.gpu_paths --out runs/test-gpu
 
 demo: setup
 	$(BIN)/python -m workbench demo --out runs/demo

@@ -303,6 +303,8 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_tasks::test_room_plays_through_the_session_and_the_phases": ("slow",),  # 25 s
     "test_tasks::test_room_trains_and_evaluates_from_the_command_line": ("slow",),  # 23 s
     "test_vllm_engine::test_real_vllm_matches_the_trainer": ("gpu",),
+    "test_vllm_engine::test_real_vllm_samples_each_weight_version": ("gpu",),
+    "test_fp8::test_fp8_base_compiled_equals_eager_on_cuda": ("gpu",),
     "test_viz::test_executed_notebook_html_shows_the_player_without_javascript":
         ("notebook", "slow"),  # a kernel and nbconvert, 7 s
 }

@@ -184,11 +184,11 @@ def test_cluster_config_keys() -> None:
             apply_overrides(PRESETS["tiny"], [bad])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="fsdp runs on GPUs only")
 def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir,
                                                                        tmp_path) -> None:
-    """One fsdp trainer worker (NCCL, world size 1), driven directly as its actor would be:
-    the frozen base becomes DTensor shards, LoRA stays whole, the update equals in-process."""
+    """One fsdp trainer worker (NCCL on a GPU, gloo here; world size 1), driven directly as
+    its actor would be: the frozen base becomes DTensor shards, LoRA stays whole, the update
+    equals in-process."""
     from dataclasses import replace
 
     from torch.distributed.tensor import DTensor
@@ -212,7 +212,8 @@ def test_fsdp_worker_shards_the_frozen_base_and_updates_like_one_device(tiny_dir
 
     lora, cfg = LoraSettings(rank=4, alpha=8), LossConfig()
     adam = AdamParams(learning_rate=1e-3, eps=1e-6)  # eps: see test_ray_local's update test
-    spec = SessionSpec(str(tiny_dir), lora, workdir=str(tmp_path / "ref"), device="cuda",
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = SessionSpec(str(tiny_dir), lora, workdir=str(tmp_path / "ref"), device=device,
                        cluster=ClusterSpec(strategy="fsdp"))
     ref = create_session(spec)
     sampler = ref.training_client.save_weights_and_get_sampling_client()

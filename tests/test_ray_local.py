@@ -332,7 +332,7 @@ def test_rollout_spreads_mazes_over_engines_in_maze_order(dp_session, rollouts) 
     assert view(got) == view(expected)
     sync = dp_session.syncs[0]
     assert (sync.version, sync.engines) == (0, 2) and sync.bytes > 0 and sync.seconds > 0
-    assert sync.method == "object_store" and 0 < sync.snapshot_seconds <= sync.seconds
+    assert sync.method == "colocated" and sync.bytes == dp_session.trainable_bytes
 
 
 def test_a_second_task_plays_on_the_engines_unchanged(dp_session, ref_session, rollouts) -> None:

@@ -644,6 +644,75 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         session.close()
 
 
+def _colocated_pair(tiny_dir: Path, workdir: Path, vllm_lora: str,
+                    monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """A Ray trainer worker and the vLLM engine actor colocated with it, as the plain classes
+    the actors wrap, calling each other directly (no Ray): the engine built without weights,
+    as `create_ray_session` builds it when its trainer hands it every version."""
+    from workbench.cluster import workers
+    from workbench.cluster.ray_session import handoff_kind
+    from workbench.session import ClusterSpec
+
+    monkeypatch.setattr(workers, "remote_call",
+                        lambda actor, method, *args: getattr(actor, method)(*args))
+    spec = SessionSpec(str(tiny_dir), LORA, workdir=str(workdir), dtype="bfloat16",
+                       engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                             vllm_lora=vllm_lora),
+                       cluster=ClusterSpec("local"))
+    assert handoff_kind(spec) == vllm_lora
+    trainer = workers.TrainerWorker(spec, 0)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():  # a non-zero B: the version differs from the base
+        for name, p in trainer.host.lm.model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=gen).to(p.dtype))
+    return trainer, workers.SamplerEngine(spec, weights=False)
+
+
+@pytest.mark.parametrize("vllm_lora", ["merged", "adapter"])
+def test_a_colocated_trainer_hands_each_version_to_an_engine_without_the_model(
+        fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path, tiny, vllm_lora: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Ray, trainer k hands its version to the vLLM engine on its GPU, which holds no copy of
+    the model (its parameters stay on the meta device): merged, the trainer's own base merged
+    with the version and sent a chunk at a time as `share`d handles (by value on a CPU), the
+    weights vLLM loads equal to what the in-process push sends; adapter, the version's PEFT
+    folder written where the engine's vLLM reads it. The engine samples that version; an
+    older one it cannot merge is refused in one line."""
+    from workbench.policy.vllm_merged import merged_weights
+    from workbench.session import host
+
+    trainer, engine = _colocated_pair(tiny_dir, tmp_path / "w", vllm_lora, monkeypatch)
+    assert {p.device.type for p in engine.host.lm.model.parameters()} == {"meta"}
+    version, sent = trainer.hand_version(engine, vllm_lora)
+    assert engine.host.versions == {version: {}} and trainer.host.versions.keys() == {version}
+    prompt = _two_turn_stream(tiny)
+    engine.call(host.sample, version, prompt, 1, SamplingParams(max_tokens=3), 5)
+    lora = fake_vllm.calls[-1]["lora"]
+    snapshot = trainer.host.versions[version]
+    if vllm_lora == "merged":
+        want = {name: t for chunk in merged_weights(trainer.host.lm.model, snapshot)
+                for name, t in chunk}
+        got = _pushed(fake_vllm, 0)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+        assert set(fake_vllm.payloads) == {bytes} and fake_vllm.resets == 1 and lora is None
+        assert sent == sum(t.numel() * t.element_size() for t in want.values())
+        trainer.host.weights_id += 1  # as an optim_step leaves it
+        newer, _ = trainer.hand_version(engine, vllm_lora)
+        assert engine.host.versions == {version: {}, newer: {}} and fake_vllm.resets == 2
+        with pytest.raises(RuntimeError, match="sampler version 0 is not in vLLM .it holds "
+                           "version 1. and this engine has nothing to merge it from"):
+            engine.call(host.sample, version, prompt, 1, SamplingParams(max_tokens=3), 5)
+        return
+    folder = Path(engine.adapter_folder(version))
+    assert lora.lora_path == str(folder) and (folder / "adapter_config.json").is_file()
+    with safe_open(str(folder / "adapter_model.safetensors"), "pt") as saved:
+        for name, t in snapshot.items():
+            key = name.replace(".default.weight", ".weight")
+            assert torch.equal(saved.get_tensor(key), t.to(torch.float32)), key
+    assert sent == sum(t.numel() * t.element_size() for t in snapshot.values())
+
+
 def test_fp8_vllm_reloads_each_merged_version_layer_by_layer(
         fake_vllm: FakeVLLM, tiny_dir: Path, tmp_path: Path, tiny,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1050,7 +1119,7 @@ def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path, vllm_lora
     the sampler's log-probs must agree (the request glue and the logprobs_mode are right)."""
     session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
                                          device="cuda", dtype="bfloat16",
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.05,
                                                                vllm_lora=vllm_lora)))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
@@ -1079,7 +1148,7 @@ def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, t
     adapter, or merged into vLLM's weights (the old client's version merged again)."""
     session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
                                          device="cuda", dtype="bfloat16",
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.3,
+                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.05,
                                                                vllm_lora=vllm_lora)))
     try:
         tc, fmt = session.training_client, chat_format(tiny.processor)

@@ -1,3 +1,4 @@
 from workbench.cli import main
 
-main()
+if __name__ == "__main__":  # not when a spawned child (vLLM's engine core) re-imports it
+    main()

@@ -81,12 +81,15 @@ def all_reduce_grads(params: list[torch.nn.Parameter]) -> None:
 
 def shard_frozen_base(model: Any, trainable: list[torch.nn.Parameter]) -> Any:
     """FSDP2: shard the frozen weights of each decoder layer and vision block over the process
-    group; trainable parameters are ignored by FSDP (whole on every worker)."""
+    group, each layer gathering its weights in its own forward and backward; trainable
+    parameters are ignored by FSDP (whole on every worker). The rest (embeddings, lm_head,
+    norms, the vision merger) stays whole: the update calls those modules directly
+    (`policy.forward`), not through the model's forward, where a root FSDP unit would gather
+    them."""
     from torch.distributed.fsdp import fully_shard
 
     ignored = set(trainable)
     layers = [m for name, m in model.named_modules() if LAYER_NAME.search(name)]
     for layer in layers:
         fully_shard(layer, ignored_params=ignored)
-    fully_shard(model, ignored_params=ignored)
     return model

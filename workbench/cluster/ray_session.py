@@ -89,15 +89,35 @@ class SyncRecord:
 
     version: int
     seconds: float  # snapshot on the trainer + transfer + load on the engines
-    bytes: int  # size of the trainable tensors sent
+    bytes: int  # bytes sent to each engine (colocated merged: the merged weights)
     engines: int
-    method: str = "object_store"  # object_store | broadcast (RaySession.open_weight_broadcast)
+    method: str = "object_store"  # object_store | broadcast | colocated (see RaySession)
     snapshot_seconds: float = 0.0  # object_store: until rank 0's copy is in the object store
+
+
+def handoff_kind(spec: SessionSpec) -> str:
+    """How a trainer worker hands a weights version to the engine colocated on its GPU
+    (`TrainerWorker.hand_version`), or "" when engines are sent versions through the object
+    store: colocated (cluster.colocate_all), at most one engine per trainer, replicas whole
+    (strategy ddp: an fsdp worker holds a shard of the base). "merged" (vLLM, vllm_lora=merged:
+    the engine holds no copy of the model), "adapter" (vLLM: no copy either), "factors" (our
+    engine, which samples from a model of its own)."""
+    c = spec.cluster
+    if not (c.colocate_all and c.num_engines <= c.num_workers and c.strategy == "ddp"):
+        return ""
+    if spec.engine.name == "vllm":
+        return spec.engine.vllm_lora
+    return "factors"
 
 
 class RaySession:
     """Trainer workers + sampler engines in one placement group; `close()` releases them. It is
-    the clients' `Executor`: N data-parallel trainer replicas, M sampler engines."""
+    the clients' `Executor`: N data-parallel trainer replicas, M sampler engines. A weight sync
+    reaches the engines one of three ways (`SyncRecord.method`): colocated - trainer k hands
+    its version to engine k on the same GPU (`handoff_kind`: CUDA IPC handles or an adapter
+    folder, nothing through the object store); object_store - rank 0's tensors copied to the
+    CPU, through Ray's object store, onto each engine; broadcast - after
+    `open_weight_broadcast`, one NCCL (gloo) broadcast from rank 0."""
 
     def __init__(self, trainers: list, engines: list, placement_group: Any, plan: PlacementPlan,
                  spec: SessionSpec, info: dict[str, Any], names: list[str]) -> None:
@@ -109,6 +129,7 @@ class RaySession:
         self.trainable_bytes = int(info.pop("trainable_bytes"))
         self.syncs: list[SyncRecord] = []  # every weight sync, newest last
         self.weight_broadcast = False  # True after open_weight_broadcast()
+        self.handoff = handoff_kind(spec)  # "": engines are sent versions by rank 0
         self.recoverable_errors = (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError)
         self.training_client = TrainingClient(self)
 
@@ -135,7 +156,11 @@ class RaySession:
                       if isinstance(outs[0], ForwardBackwardOutput) else outs[0])
 
     def submit_sampling(self, fn: Call, *args: Any, model: bool = False) -> Future:
-        """fn(host, *args) on engine 0 (whose model is its own: `model` changes nothing)."""
+        """fn(host, *args) on engine 0; model (fn runs the policy's own forward, e.g.
+        compute_logprobs): on trainer rank 0, which keeps every version it synced, in order
+        with the training calls, as in-process (a vLLM engine may hold no model)."""
+        if model:
+            return self.trainers[0].call.remote(fn, *args).future()
         return self.engines[0].call.remote(fn, *args).future()
 
     def submit_spread(self, fn: Call, items: list[Any], *args: Any, seed: int) -> Future:
@@ -160,6 +185,12 @@ class RaySession:
             self.syncs.append(SyncRecord(version, time.perf_counter() - start, ray.get(sent),
                                          len(self.engines), "broadcast"))
             return version
+        if self.handoff:
+            handed = ray.get([t.hand_version.remote(e, self.handoff)
+                              for t, e in zip(self.trainers, self.engines)])
+            self.syncs.append(SyncRecord(handed[0][0], time.perf_counter() - start,
+                                         handed[0][1], len(handed), "colocated"))
+            return handed[0][0]
         snapshot = rank0.snapshot.remote()
         ray.wait([snapshot], fetch_local=False)  # in the object store: the trainer's part
         stored = time.perf_counter() - start
@@ -206,8 +237,9 @@ class RaySession:
 
     def speed_metrics(self) -> Future:
         """`speed/*` of the sampler engines (a fast path counts as running when it runs on
-        every engine) -> Future[dict[str, float]]."""
-        refs = [e.call.remote(host.speed_metrics) for e in self.engines]
+        every engine), and `memory/gpu_peak_gb` summed over every actor -> Future[dict]."""
+        refs = [e.call.remote(host.speed_metrics) for e in self.engines] + \
+            [t.call.remote(host.memory_metrics) for t in self.trainers]
         return gather(refs, merge_speed_metrics)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:
@@ -224,7 +256,7 @@ def merge_speed_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     """The engines' speed metrics as one row: a `speed/*` fast path runs when it runs on every
     engine (min); vLLM's prefix-cache tokens add up, its hit rate is their weighted mean, the
     seconds inside vLLM's calls are the longest engine's (they run side by side), and the
-    streamed requests (and those rendered whole) add up."""
+    streamed requests (and those rendered whole) and the actors' GPU memory peaks add up."""
     out = {k: min(r.get(k, 1.0) for r in rows)
            for k in {k for r in rows for k in r} if k.startswith("speed/")}
     queried = [r.get("vllm/prefix_cache_queried_tokens", 0.0) for r in rows]
@@ -235,7 +267,7 @@ def merge_speed_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
         out["vllm/prefix_cache_hit_rate"] = hits / total if total else 0.0
     if any("vllm/generate_s" in r for r in rows):
         out["vllm/generate_s"] = max(r.get("vllm/generate_s", 0.0) for r in rows)
-    for key in ("vllm/requests", "vllm/requests_rendered_whole"):
+    for key in ("vllm/requests", "vllm/requests_rendered_whole", "memory/gpu_peak_gb"):
         if any(key in r for r in rows):
             out[key] = sum(r.get(key, 0.0) for r in rows)
     return out
@@ -270,10 +302,16 @@ def create_ray_session(spec: SessionSpec) -> RaySession:
     engine_cls = ray.remote(max_concurrency=1, max_restarts=0)(SamplerEngine)
     trainers = [trainer_cls.options(name=names[r], **actor_options(plan, pg, "trainer", r))
                 .remote(spec, r) for r in range(c.num_workers)]
-    engines = [engine_cls.options(name=names[c.num_workers + k],
-                                  **actor_options(plan, pg, "engine", k)).remote(engine_spec(spec))
-               for k in range(c.num_engines)]
+    # A vLLM engine handed its versions by its trainer holds no copy of the model. The engines
+    # start once the trainers have their models: each checks its GPU share against what is
+    # then free.
+    weights = handoff_kind(spec) not in ("merged", "adapter")
+    engines: list = []
     try:
+        ray.get([t.pid.remote() for t in trainers])
+        engines = [engine_cls.options(name=names[c.num_workers + k],
+                                      **actor_options(plan, pg, "engine", k))
+                   .remote(engine_spec(spec), weights) for k in range(c.num_engines)]
         if c.num_workers > 1:
             address, port = ray.get(trainers[0].open_store.remote())
             ray.get([w.join.remote(address, port) for w in trainers])
@@ -281,7 +319,9 @@ def create_ray_session(spec: SessionSpec) -> RaySession:
             "trainable_bytes": ray.get(trainers[0].call.remote(host.trainable_bytes)),
             "backend": {"kind": "ray", "num_workers": c.num_workers,
                         "num_engines": c.num_engines, "colocate_all": c.colocate_all,
-                        "strategy": c.strategy}}
+                        "strategy": c.strategy,
+                        "weight_sync": handoff_kind(spec) and "colocated:" + handoff_kind(spec)
+                        or "object_store"}}
         ray.get([e.pid.remote() for e in engines])  # engines loaded (or their error raised)
     except BaseException:
         release(trainers + engines, pg)

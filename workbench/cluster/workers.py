@@ -70,6 +70,49 @@ def device_memory() -> dict[str, Any]:
             "device_total": total}
 
 
+def remote_call(actor: Any, method: str, *args: Any) -> Any:
+    """actor.method(*args) on a Ray actor handle, waited for (from inside another actor)."""
+    import ray
+
+    return ray.get(getattr(actor, method).remote(*args))
+
+
+def sampler_need(spec: SessionSpec, config: Any) -> dict[str, int]:
+    """GPU bytes our engine (engine.name=transformers) takes in a Ray actor, from the model's
+    config and the spec: its copy of the weights, the fused decode copy of the text matrices
+    (speed.fused_decode), the KV pool of speed.kv_rows x speed.kv_tokens, and a workspace of
+    two float32 logit rows per KV row plus a tenth of the rest."""
+    from workbench.model.presets import param_counts
+
+    text, size = config.text_config, torch.empty((), dtype=spec.torch_dtype).element_size()
+    counts = param_counts(config)
+    weights = counts["total"] * size
+    fused = counts["text_linear"] * size if spec.speed.cuda_graphs and spec.speed.fused_decode \
+        else 0
+    rows = spec.speed.kv_rows or 64
+    kv = rows * spec.speed.kv_tokens * text.num_hidden_layers * 2 * text.num_key_value_heads \
+        * text.head_dim * size
+    work = 2 * rows * text.vocab_size * 4 + (weights + fused + kv) // 10
+    return {"weights": weights, "fused": fused, "kv_pool": kv, "workspace": work,
+            "total": weights + fused + kv + work}
+
+
+def check_sampler_memory(spec: SessionSpec, config: Any, free_bytes: int) -> int:
+    """Our engine's GPU need (`sampler_need`) against the memory free on its GPU when the actor
+    starts: its bytes, or a one-line error with the need, what is free and what to change."""
+    need = sampler_need(spec, config)
+    if need["total"] <= free_bytes:
+        return need["total"]
+    gib = {k: v / 2**30 for k, v in need.items()}
+    raise RuntimeError(
+        f"our engine (engine.name=transformers) needs {gib['total']:.1f} GiB on its GPU "
+        f"(weights {gib['weights']:.1f}, fused decode copy {gib['fused']:.1f}, KV pool of "
+        f"{spec.speed.kv_rows or 64} rows x {spec.speed.kv_tokens} tokens {gib['kv_pool']:.1f}, "
+        f"workspace {gib['workspace']:.1f}) but {free_bytes / 2**30:.1f} GiB is free: lower "
+        "speed.kv_rows / speed.kv_tokens, set speed.fused_decode=false, give it a GPU of its own "
+        "(cluster.colocate_all=false), or sample with engine.name=vllm")
+
+
 class TrainerWorker:
     """Rank `rank` of `world_size` data-parallel trainers."""
 
@@ -105,9 +148,40 @@ class TrainerWorker:
             shard_frozen_base(self.host.lm.model, list(self.host.trainable().values()))
 
     def snapshot(self) -> tuple[int, dict[str, torch.Tensor]]:
-        """(weights version, trainable tensors on CPU) for the sampler engines."""
-        host.trainer_weights(self.host)
-        return self.host.weights_id, {k: v.cpu() for k, v in host.snapshot(self.host).items()}
+        """(weights version, trainable tensors on CPU) for the sampler engines; the version is
+        kept here too (`host.save_version`), for the clients' `compute_logprobs`."""
+        version = host.save_version(self.host)
+        return version, {k: v.cpu() for k, v in self.host.versions[version].items()}
+
+    def hand_version(self, engine: Any, kind: str) -> tuple[int, int]:
+        """Save this replica's weights as a sampler version (`host.save_version`) and hand it
+        to `engine`, the sampler actor colocated on this replica's GPU, without the object
+        store and without a copy of the base in the engine -> (version, bytes handed over).
+        kind (`handoff_kind`): "merged" - the LoRA merged into this replica's base weights a
+        chunk at a time, each chunk sent as CUDA IPC handles (`vllm_merged.share`) and loaded
+        by the engine's vLLM in place; "adapter" - the version's PEFT folder written where
+        the engine's vLLM reads it (same node); "factors" - the LoRA tensors as CUDA IPC
+        handles, copied into the engine's own model (our engine). On a CPU the tensors travel
+        by value."""
+        from workbench.policy.vllm_merged import merged_weights, share
+
+        version = host.save_version(self.host)
+        tensors = self.host.versions[version]
+        factors = sum(t.numel() * t.element_size() for t in tensors.values())
+        if kind == "adapter":
+            self.host.lm.model.save_pretrained(remote_call(engine, "adapter_folder", version))
+            remote_call(engine, "take_version", version)
+            return version, factors
+        if kind == "factors":
+            remote_call(engine, "take_factors", version, share(list(tensors.items())))
+            return version, factors
+        sent = 0
+        for chunk in merged_weights(self.host.lm.model, tensors):
+            remote_call(engine, "load_merged", share(chunk), [name for name, _ in chunk])
+            sent += sum(t.numel() * t.element_size() for _, t in chunk)
+            del chunk  # the engine copied it: one chunk in memory at a time
+        remote_call(engine, "end_merged", version)
+        return version, sent
 
     def open_weight_store(self, world_size: int, address: str = "") -> tuple[str, int]:
         """Rank 0: the weight-broadcast group's TCPStore (rank 0 + the engines)."""
@@ -120,8 +194,9 @@ class TrainerWorker:
         self.weight_group = weight_sync.open_group("", 0, 0, world_size, cuda, self.weight_store)
 
     def send_weights(self) -> int:
-        """Broadcast the trainable tensors (one flat buffer) to the engines -> its bytes."""
-        host.trainer_weights(self.host)
+        """Broadcast the trainable tensors (one flat buffer) to the engines -> its bytes; the
+        version is kept here too (`host.save_version`), for `compute_logprobs`."""
+        host.save_version(self.host)
         flat = weight_sync.flatten(dict(self.host.trainable()))
         weight_sync.broadcast(self.weight_group, flat)
         return flat.numel() * flat.element_size()
@@ -157,17 +232,53 @@ class TrainerWorker:
 
 
 class SamplerEngine:
-    """A sampler: base model (+ LoRA) and the weight versions the trainer sent it."""
+    """A sampler: base model (+ LoRA) and the weight versions the trainer sent it; a vLLM
+    engine handed its versions by a colocated trainer (`weights=False`) holds the model's
+    structure only, vLLM's own copy being the one copy of the weights here."""
 
-    def __init__(self, spec: SessionSpec) -> None:
+    def __init__(self, spec: SessionSpec, weights: bool = True) -> None:
         set_threads(spec.cluster.threads_per_actor)
-        if spec.device.startswith("cuda") and spec.engine.name == "transformers":
-            # keep to its GPU share (vLLM does that itself)
-            torch.cuda.set_per_process_memory_fraction(spec.engine.gpu_memory_utilization)
+        self.need = 0  # our engine on a GPU: the bytes it was sized for (sampler_need)
         if spec.engine.name == "vllm":  # vLLM's engine core in this actor, not a spawned child
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        self.host: ModelHost = host.make_host(spec, trainer=False)
+        elif spec.device.startswith("cuda"):  # our engine: sized from the model, checked now
+            from workbench.model.load import load_model
+
+            config = load_model(spec.model, spec.torch_dtype, "meta").model.config
+            self.need = check_sampler_memory(spec, config, torch.cuda.mem_get_info()[0])
+        self.host: ModelHost = host.make_host(spec, trainer=False, weights=weights)
         self.weight_group: Any = None
+
+    def adapter_folder(self, version: int) -> str:
+        """Where this engine's vLLM reads version `version`'s PEFT adapter from."""
+        folder = self.host.engine.adapter_folder(version)  # type: ignore[attr-defined]
+        return str(folder.resolve())  # the trainer may run in another working directory
+
+    def take_version(self, version: int) -> int:
+        """Version `version` is in place (its adapter folder written by the colocated
+        trainer): sample it from now on."""
+        host.hold_version(self.host, version)
+        return version
+
+    def take_factors(self, version: int, payload: bytes) -> int:
+        """Version `version`'s trainable tensors, `share`d by the colocated trainer: copied
+        into this engine's model and kept as the version's snapshot."""
+        from workbench.policy.vllm_merged import open_shared
+
+        device = next(iter(self.host.trainable().values())).device
+        tensors = {name: t.clone() for name, t in open_shared(payload, device)}
+        host.install_version(self.host, version, tensors)
+        return version
+
+    def load_merged(self, payload: bytes, names: list[str]) -> int:
+        """A chunk of a merged version from the colocated trainer (`VLLMEngine.load_merged`)."""
+        return self.host.engine.load_merged(payload, names)  # type: ignore[attr-defined]
+
+    def end_merged(self, version: int) -> int:
+        """The merged version complete: sample it from now on."""
+        loaded = self.host.engine.end_merged(version)  # type: ignore[attr-defined]
+        host.hold_version(self.host, version)
+        return loaded
 
     def install(self, snapshot: tuple[int, dict[str, torch.Tensor]]) -> int:
         """Load a trainer snapshot as sampler version `snapshot[0]`; returns it."""

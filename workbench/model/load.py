@@ -149,7 +149,9 @@ def load_model(
 ) -> LoadedModel:
     """Load model + processor from "tiny", a local folder, or a hub id; eval mode. A name of
     `workbench.model.presets.SHAPES` builds that shape with random weights on `device`.
-    `dtype` is a torch dtype or its name as model.dtype writes it ("bfloat16")."""
+    `dtype` is a torch dtype or its name as model.dtype writes it ("bfloat16"). Device "meta":
+    the model's structure from its config, no weights read (a sampler that holds its weights
+    elsewhere, e.g. vLLM's own copy)."""
     from workbench.model.presets import SHAPES, build_random
 
     if isinstance(dtype, str):
@@ -170,9 +172,17 @@ def load_model(
 
     hf_logging.disable_progress_bar()
     path = _cached_folder(resolve_model_path(name_or_path))
-    model = AutoModelForImageTextToText.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation
-    ).to(device)  # type: ignore[arg-type]  # transformers types .to as @wraps(Module.to): unbound
+    if str(device) == "meta":
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        config._attn_implementation = attn_implementation
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(config, dtype=dtype)
+    else:
+        model = AutoModelForImageTextToText.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation
+        ).to(device)  # type: ignore[arg-type]  # transformers types .to as @wraps(Module.to)
     processor = AutoProcessor.from_pretrained(path)
     return LoadedModel(model=model.eval(), processor=processor, source=name_or_path, path=path)
 

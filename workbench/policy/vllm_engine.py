@@ -62,7 +62,7 @@ from workbench.policy.engine import EngineSettings, StepRow, play_lockstep
 from workbench.policy.graphs import warn_fallback
 from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
-from workbench.policy.vllm_merged import WORKER_EXTENSION, push_merged
+from workbench.policy.vllm_merged import WORKER_EXTENSION, MergedLoad, push_merged
 from workbench.policy.vllm_render import RowRequests
 
 INSTALL_HINT = (
@@ -323,8 +323,10 @@ class VLLMEngine:
         self.version: int | None = None  # None: the base model, no adapter
         self.merged = settings.vllm_lora == "merged"
         self.stream_rows = settings.stream_rows  # play_rows: each row as soon as it is back
+        self.gpu_share = settings.gpu_memory_utilization  # of the GPU, vLLM's whole budget
         self.merged_version: int | None = None  # the version in vLLM's weights (merged only)
         self.model: Any = None  # the peft model whose versions are merged (merged only)
+        self.loading: MergedLoad | None = None  # a version arriving from another process
         self.cache_seen = (0, 0)  # prefix-cache (queries, hits) at the last cache_metrics()
         self.generate_s = 0.0  # seconds inside vLLM's calls since the last cache_metrics()
         self.closed = False  # close() stopped vLLM's engine core
@@ -360,10 +362,14 @@ class VLLMEngine:
         """Sample with version `version` from now on: its adapter, or (merged) its weights,
         merged from `tensors` (the version's snapshot) if vLLM holds another version."""
         if self.merged:
-            if self.model is None or tensors is None:
-                raise FileNotFoundError(f"sampler version {version} was never added "
-                                        "(add_version was not called, or no snapshot given)")
             if version != self.merged_version:
+                if self.model is None or not tensors:
+                    raise RuntimeError(
+                        f"sampler version {version} is not in vLLM (it holds version "
+                        f"{self.merged_version}) and this engine has nothing to merge it from "
+                        "(add_version was not called; or it is a Ray engine colocated with its "
+                        "trainer, sent each version once): sample from a new client, "
+                        "save_weights_and_get_sampling_client()")
                 push_merged(self.llm, self.model, tensors)
                 self.merged_version = version
             self.version = version
@@ -372,6 +378,23 @@ class VLLMEngine:
             raise FileNotFoundError(f"no adapter for sampler version {version} in "
                                     f"{self.adapter_root} (add_version was not called)")
         self.version = version
+
+    def load_merged(self, payload: bytes, names: list[str]) -> int:
+        """One chunk of a version merged by another process on this GPU (a Ray trainer
+        worker: `share`d CUDA IPC handles) -> tensors loaded; `end_merged` completes it."""
+        if self.loading is None:
+            self.loading = MergedLoad(self.llm)
+        return self.loading.load(payload, names)
+
+    def end_merged(self, version: int) -> int:
+        """The chunks of version `version` all loaded (`load_merged`): vLLM samples it from
+        now on -> tensors loaded."""
+        if self.loading is None:
+            raise RuntimeError(f"end_merged({version}) without a chunk loaded first")
+        loading, self.loading = self.loading, None
+        loaded = loading.finish()
+        self.merged_version = self.version = version
+        return loaded
 
     def drop_version(self, version: int) -> None:
         """Delete the version's folder (vLLM's LRU evicts the loaded copy: max_loras=1)."""

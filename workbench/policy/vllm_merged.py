@@ -31,6 +31,11 @@ of its LoRA factors and the model's frozen base weights: never from the trainer'
 in-process session can sample on its own thread while the trainer updates (`Session`'s sampler
 lane). vLLM holds one merged version at a time: sampling an older version (an old SamplingClient)
 merges it again from its snapshot.
+
+On Ray, a vLLM engine actor colocated with a trainer worker holds no copy of the model: the
+trainer merges each version from its own base and sends the chunks to the engine as CUDA IPC
+handles (`cluster.workers.TrainerWorker.hand_version`), and the engine loads them with the same
+`MergedLoad` (`VLLMEngine.load_merged`, `end_merged`).
 """
 
 from __future__ import annotations
@@ -206,27 +211,47 @@ def reload_counts(infos: list[Any]) -> tuple[int, int]:
     return done, partial
 
 
+class MergedLoad:
+    """vLLM's side of one version's push: `begin_weights` on construction, then each chunk
+    (`load`: `share`d bytes from another process on this GPU, or the tensors themselves from
+    this one), then `finish`: `end_weights`, and vLLM's prefix cache (and, with the vision
+    tower merged, its encoder cache) dropped, since their KV and features came from the old
+    weights."""
+
+    def __init__(self, llm: Any) -> None:
+        self.llm, self.loaded, self.vision = llm, 0, False
+        llm.collective_rpc("begin_weights")
+
+    def load(self, payload: bytes | list[tuple[str, torch.Tensor]], names: list[str]) -> int:
+        """One chunk of the version, whose weight names are `names` -> tensors loaded."""
+        self.vision = self.vision or any(name.startswith(VISION_PREFIX) for name in names)
+        counts = self.llm.collective_rpc("load_shared_weights", args=(payload,))
+        if any(n != len(names) for n in counts):
+            raise RuntimeError(f"vLLM loaded {counts} of {len(names)} merged weights")
+        self.loaded += len(names)
+        return len(names)
+
+    def finish(self) -> int:
+        """The version complete -> the number of tensors loaded."""
+        self.llm.collective_rpc("end_weights")
+        if torch.cuda.is_available():
+            torch.cuda.ipc_collect()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache after new weights "
+                               "(requests still running?); its cached KV would be from the old "
+                               "weights")
+        if self.vision:
+            self.llm.llm_engine.reset_encoder_cache()
+        return self.loaded
+
+
 def push_merged(llm: Any, model: Any, tensors: dict[str, torch.Tensor],
                 chunk_bytes: int = CHUNK_BYTES) -> int:
     """Merge a version's snapshot `tensors` with the model's base weights into vLLM's weights,
-    chunk by chunk; then drop vLLM's prefix cache (its KV was computed with the old weights).
-    Returns the number of tensors loaded."""
-    loaded, in_process, vision = 0, engine_in_process(), False
-    llm.collective_rpc("begin_weights")
+    chunk by chunk (`MergedLoad`), from the process that holds the model. Returns the number of
+    tensors loaded."""
+    load, in_process = MergedLoad(llm), engine_in_process()
     for chunk in merged_weights(model, tensors, chunk_bytes):
-        vision = vision or any(name.startswith(VISION_PREFIX) for name, _ in chunk)
-        payload = chunk if in_process else share(chunk)
-        counts = llm.collective_rpc("load_shared_weights", args=(payload,))
-        if any(n != len(chunk) for n in counts):
-            raise RuntimeError(f"vLLM loaded {counts} of {len(chunk)} merged weights")
-        loaded += len(chunk)
-        del chunk, payload  # freed before the next chunk is merged: one chunk in memory
-    llm.collective_rpc("end_weights")
-    if torch.cuda.is_available():
-        torch.cuda.ipc_collect()
-    if not llm.reset_prefix_cache():
-        raise RuntimeError("vLLM could not reset its prefix cache after new weights (requests "
-                           "still running?); its cached KV would be from the old weights")
-    if vision:
-        llm.llm_engine.reset_encoder_cache()
-    return loaded
+        load.load(chunk if in_process else share(chunk), [name for name, _ in chunk])
+        del chunk  # freed before the next chunk is merged: one chunk in memory
+    return load.finish()

@@ -95,12 +95,17 @@ class ModelHost:
 
 # ----------------------------------------------------------------------------- building a host
 
-def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> ModelHost:
+def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True,
+              weights: bool = True) -> ModelHost:
     """Load the base, hash it (trainer hosts: adapters and states refuse other bases), wrap it in
     LoRA (spec.lora None: train all weights), make the optimiser and the sampler engine, and
     switch on the spec's fast paths for the sides this host plays (a Ray trainer worker: trainer
-    only; a sampler engine: sampler only; in-process: both)."""
-    lm = load_model(spec.model, dtype=spec.torch_dtype, device=spec.device)
+    only; a sampler engine: sampler only; in-process: both). weights=False (a vLLM sampler whose
+    versions its colocated trainer sends, `cluster.workers`): the model's structure only, on the
+    meta device; vLLM holds the one copy of the weights in this process."""
+    if not weights and (trainer or spec.engine.name != "vllm"):
+        raise ValueError("only a vLLM sampler host can be built without the model's weights")
+    lm = load_model(spec.model, dtype=spec.torch_dtype, device=spec.device if weights else "meta")
     base_hash = weights_hash(lm.model) if trainer else ""
     if spec.lora is not None:
         lm.model = add_lora(lm.model, spec.lora).eval()
@@ -116,8 +121,9 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True) -> 
         engine=make_engine(engine, lm, spec.lora.rank if spec.lora else None, adapters),
         speed=spec.speed,
     )
-    batch_vision_attention(lm.model)  # one attention call a vision layer (model/vision.py)
-    linear_patch_embed(lm.model)  # the patch convolution as one matrix product
+    if weights:
+        batch_vision_attention(lm.model)  # one attention call a vision layer (model/vision.py)
+        linear_patch_embed(lm.model)  # the patch convolution as one matrix product
     if trainer:
         _trainer_fast_paths(host, spec.speed)
     if sampler and spec.speed.cuda_graphs and spec.engine.name == "transformers" \
@@ -166,6 +172,7 @@ def speed_metrics(host: ModelHost) -> dict[str, float]:
         out["speed/fp8_base"] = float(host.fp8_base)
     if uses_cudnn_attention(host):
         out["speed/cudnn_attention"] = 1.0
+    out |= memory_metrics(host)
     static = host.static
     if static is None:
         return out
@@ -173,6 +180,23 @@ def speed_metrics(host: ModelHost) -> dict[str, float]:
     if host.speed.compile_decode:
         out["speed/compile_decode"] = float(not static.compile_error)
     return out
+
+
+def memory_metrics(host: ModelHost) -> dict[str, float]:
+    """`memory/gpu_peak_gb`: the peak of torch's GPU allocations in this process so far, plus a
+    vLLM engine's whole budget (engine.gpu_memory_utilization of the GPU) when its engine core
+    runs in a process of its own (vLLM's default; in a Ray engine actor it runs in the actor and
+    torch counts its allocations); {} without CUDA."""
+    if not torch.cuda.is_available():
+        return {}
+    peak = torch.cuda.max_memory_allocated()
+    if getattr(host.engine, "name", "") == "vllm":
+        from workbench.policy.vllm_merged import engine_in_process
+
+        if not engine_in_process():
+            share: float = host.engine.gpu_share  # type: ignore[attr-defined]
+            peak += int(share * torch.cuda.mem_get_info()[1])
+    return {"memory/gpu_peak_gb": peak / 1e9}
 
 
 def describe_host(host: ModelHost) -> dict[str, Any]:
@@ -273,11 +297,22 @@ def _prune_versions(host: ModelHost, newest: int) -> None:
 
 
 def install_version(host: ModelHost, version: int, tensors: dict[str, torch.Tensor]) -> None:
-    """A sampler-only host receives version `version` from the trainer and loads it."""
+    """A sampler-only host receives version `version` from the trainer and loads it (the
+    tensors kept on the model's device: an engine that merges them reads them there)."""
+    device = next(iter(host.trainable().values())).device
+    tensors = {name: t.to(device) for name, t in tensors.items()}
     host.versions[version] = tensors
     _copy_in(host, tensors)
     host.loaded_version = version
     host.engine.add_version(version, host.lm.model)
+    _prune_versions(host, max(host.versions))
+
+
+def hold_version(host: ModelHost, version: int) -> None:
+    """A sampler-only host's engine was handed version `version` whole by its colocated
+    trainer (`cluster.workers.TrainerWorker.hand_version`): the host keeps no tensors of it."""
+    host.versions[version] = {}
+    host.loaded_version = version
     _prune_versions(host, max(host.versions))
 
 
