@@ -273,6 +273,8 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_demo::test_seed_table_lines": (),
     "test_benchmarks::test_the_update_probe_times_and_traces_an_update_call_on_the_cpu":
         ("slow",),  # 15 update calls of the tiny model, 12 s
+    "test_benchmarks::test_the_gpu_paths_runner_judges_a_path_and_prints_its_table":
+        ("slow",),  # two `python -m workbench train` starts, 20 s
     "test_errors::test_steps_without_an_update_log_no_loss_and_say_why_once":
         ("slow",),  # a real 2-step run, 6 s
     "test_errors::test_a_cached_hub_id_loads_offline_and_without_the_hub": ("slow",),  # 5 s

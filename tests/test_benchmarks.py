@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import gpu, scale, update_probe
+from benchmarks import gpu, gpu_paths, scale, update_probe
 from workbench.config import PRESETS, apply_overrides
 from workbench.envs import eval_set
 from workbench.loggers import read_metrics
@@ -171,3 +171,27 @@ def test_the_update_probe_times_and_traces_an_update_call_on_the_cpu(tmp_path: P
     assert out["timeline"]["first_gpu_ms"] is None and out["timeline"]["gpu_busy_ms"] == 0.0
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
     assert json.loads((tmp_path / "probe.json").read_text())["call_s"] == out["call_s"]
+
+
+def test_the_gpu_paths_runner_judges_a_path_and_prints_its_table(tmp_path: Path) -> None:
+    """`make test-gpu`'s runner on the CPU (our engine, in-process, float32): two steps and a
+    checkpoint, a resume of one more step and the evaluation; its row passes with the figures
+    of its own steps, and results.json and the table say so."""
+    assert gpu_paths.main(["--only", "inprocess/ours", "--no-pytest", "--no-8b", "--device",
+                           "cpu", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    [row] = result["rows"]
+    assert (row["path"], row["status"], row["steps"]) == ("inprocess/ours", "pass", [1, 2, 3])
+    assert row["step_s"] > 0 and row["kl"] is not None and row["peak_gpu_gb"] is None
+    assert set(row["phases"]) == {"rollout", "update", "weight_sync"}
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert table[0].startswith("| path | result | step s |") and table[2].startswith(
+        "| inprocess/ours | pass |")
+    names = [p.name for p in gpu_paths.tiny_paths(tmp_path)]
+    assert len(names) == 15 and {n.split("/")[0] for n in names} == set(gpu_paths.EXECUTORS)
+
+
+def test_a_failed_path_is_told_by_its_first_error_line() -> None:
+    log = "INFO loading\nTraceback (most recent call last):\n  File x\nValueError: no cache\n"
+    assert gpu_paths.first_error(log) == "ValueError: no cache"
+    assert gpu_paths.first_error("") == "(no output)"

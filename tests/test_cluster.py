@@ -269,3 +269,54 @@ def test_jobs_leave_out_what_git_ignores_on_this_machine_only(tmp_path: Path) ->
     (tmp_path / ".git" / "info" / "exclude").write_text(
         "# local ignores\n\n/.carry/\n  /.whl/  \n*.tar.xz\n")
     assert local_excludes(tmp_path) == ["/.carry/", "/.whl/", "*.tar.xz"]
+
+
+def test_a_colocated_trainer_hands_its_versions_to_the_engine_on_its_gpu() -> None:
+    """`handoff_kind`: trainer k hands its version to engine k when they share a bundle, each
+    engine has a trainer, and replicas are whole (ddp); the kind follows the engine."""
+    from dataclasses import replace
+
+    from workbench.cluster.ray_session import handoff_kind
+    from workbench.policy.engine import EngineSettings
+    from workbench.session import ClusterSpec, SessionSpec
+
+    def kind(engine: EngineSettings, **cluster: object) -> str:
+        return handoff_kind(SessionSpec(engine=engine, cluster=replace(ClusterSpec("local"),
+                                                                       **cluster)))
+
+    merged, adapter = EngineSettings("vllm", vllm_lora="merged"), EngineSettings("vllm")
+    assert kind(merged) == "merged" and kind(adapter) == "adapter"
+    assert kind(EngineSettings()) == "factors"  # our engine: its own model, LoRA tensors sent
+    assert kind(merged, num_workers=2, num_engines=2) == "merged"
+    assert kind(merged, colocate_all=False) == ""  # separate GPUs: the object store
+    assert kind(merged, num_engines=2) == ""  # an engine without a trainer beside it
+    assert kind(merged, strategy="fsdp") == ""  # a worker holds a shard of the base
+
+
+def test_our_engine_on_ray_is_sized_from_the_model_and_its_kv_pool() -> None:
+    """`sampler_need` at the 8B shape (bf16): the weights, the fused text matrices, the KV pool
+    of kv_rows x kv_tokens (36 layers x 8 KV heads x 128 x K and V), a workspace; a GPU with
+    less free refuses the actor in one line that names the keys to change."""
+    from dataclasses import replace
+
+    from workbench.cluster.workers import check_sampler_memory, sampler_need
+    from workbench.model.presets import QWEN3_VL_8B, param_counts, shape_config
+    from workbench.model.tokenizer import build_tokenizer
+    from workbench.session import SessionSpec, SpeedSettings
+
+    config = shape_config(QWEN3_VL_8B, build_tokenizer(512).get_vocab())
+    spec = SessionSpec(dtype="bfloat16", device="cuda",
+                       speed=SpeedSettings(cuda_graphs=True, kv_rows=64, kv_tokens=2048))
+    need = sampler_need(spec, config)
+    counts = param_counts(config)
+    assert need["weights"] == 2 * counts["total"] and need["fused"] == 2 * counts["text_linear"]
+    assert need["kv_pool"] == 64 * 2048 * 36 * 2 * 8 * 128 * 2 == 19_327_352_832
+    assert need["workspace"] == 2 * 64 * 151936 * 4 + (need["weights"] + need["fused"]
+                                                      + need["kv_pool"]) // 10
+    assert need["total"] == sum(v for k, v in need.items() if k != "total")
+    unfused = sampler_need(replace(spec, speed=replace(spec.speed, fused_decode=False)), config)
+    assert unfused["fused"] == 0
+    assert check_sampler_memory(spec, config, need["total"]) == need["total"]
+    with pytest.raises(RuntimeError, match=r"^our engine \(engine.name=transformers\) needs "
+                       r"5\d\.\d GiB on its GPU .* but 40\.0 GiB is free: lower speed.kv_rows"):
+        check_sampler_memory(spec, config, 40 * 2**30)

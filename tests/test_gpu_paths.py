@@ -185,7 +185,8 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
     assert [[c.tokens for c in turn] for turn in fallen] == \
         [[c.tokens for c in turn] for turn in eager]
     host = SimpleNamespace(static=static, engine=None, speed=SpeedSettings(cuda_graphs=True))
-    assert speed_metrics(host) == {"speed/cuda_graphs": 0.0}
+    assert {k: v for k, v in speed_metrics(host).items() if k.startswith("speed/")} == {
+        "speed/cuda_graphs": 0.0}
 
 
 def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> None:
@@ -216,7 +217,8 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
         [[c.tokens for c in turn] for turn in eager]
     host = SimpleNamespace(static=static, engine=None, speed=SpeedSettings(cuda_graphs=True,
                                                                compile_decode=True))
-    assert speed_metrics(host) == {"speed/cuda_graphs": 0.0, "speed/compile_decode": 0.0}
+    assert {k: v for k, v in speed_metrics(host).items() if k.startswith("speed/")} == {
+        "speed/cuda_graphs": 0.0, "speed/compile_decode": 0.0}
 
 
 def test_fused_weights_follow_the_sampler_version(small) -> None:

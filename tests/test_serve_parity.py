@@ -126,7 +126,7 @@ def test_vllm_serves_as_trained(adapter: Path, tiny_sft_dir: Path, tmp_path: Pat
     registry.publish(store, adapter, "trained")
     endpoint = serve(str(tiny_sft_dir), served_name="sft", adapters=store.root, port=0,
                      address="", engine="vllm", cache_size=2, gpu_memory_utilization=0.05,
-                     cache_dir=str(tmp_path / "cache"))
+                     kv_cache_gb=0.25, cache_dir=str(tmp_path / "cache"))
     try:
         client = openai.OpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0,
                                timeout=300)

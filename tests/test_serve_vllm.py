@@ -495,7 +495,7 @@ def test_real_vllm_serves_three_adapters_that_differ_from_the_base(store: storag
 
     endpoint = serve(str(tiny_dir), served_name="tiny", adapters=store.root, port=0, address="",
                      engine="vllm", cache_size=3, gpu_memory_utilization=0.05,
-                     cache_dir=str(Path(store.root).parent / "cache"))
+                     kv_cache_gb=0.25, cache_dir=str(Path(store.root).parent / "cache"))
     try:
         client = openai.OpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0,
                                timeout=300)

@@ -51,6 +51,7 @@ from workbench.policy.vllm_engine import (
     check_memory_share,
     check_prompt,
     checked_max_len,
+    engine_kwargs,
     expand_image_pads,
     max_lora_rank,
     prompt_token_ids,
@@ -644,6 +645,15 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         session.close()
 
 
+def test_vllm_kv_cache_set_directly_skips_vllms_start_up_measure() -> None:
+    """engine.vllm_kv_cache_gb: vLLM's kv_cache_memory_bytes, in bytes; 0 leaves it to vLLM."""
+    measured = engine_kwargs("m", EngineSettings("vllm"), 8, "bfloat16", 4096)
+    assert "kv_cache_memory_bytes" not in measured
+    direct = engine_kwargs("m", EngineSettings("vllm", vllm_kv_cache_gb=1.5), 8, "bfloat16", 4096)
+    assert direct["kv_cache_memory_bytes"] == 3 * 2**29
+    assert {k: v for k, v in direct.items() if k != "kv_cache_memory_bytes"} == measured
+
+
 def _colocated_pair(tiny_dir: Path, workdir: Path, vllm_lora: str,
                     monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
     """A Ray trainer worker and the vLLM engine actor colocated with it, as the plain classes
@@ -774,7 +784,8 @@ def test_a_reload_that_quantised_nothing_or_part_of_a_layer_is_refused() -> None
 def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny_dir: Path,
                                                        tmp_path: Path, tiny) -> None:
     """With LoRA on the vision tower too, a merged version changes the image features, so vLLM's
-    encoder cache is dropped with its prefix cache."""
+    encoder cache is dropped with its prefix cache; a vision linear's bias goes beside its merged
+    weight, unchanged (vLLM's FP8 reload quantises a layer again only once it has all of it)."""
     session = create_session(SessionSpec(
         str(tiny_dir), LoraSettings(rank=8, alpha=16, vision=True), workdir=str(tmp_path / "v"),
         dtype="bfloat16",
@@ -782,10 +793,16 @@ def test_merged_vision_lora_drops_vllms_image_features(fake_vllm: FakeVLLM, tiny
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
         sampler.sample(_two_turn_stream(tiny), 1, SamplingParams(max_tokens=2)).result()
-        names = _pushed(fake_vllm, 0).keys()
-        assert any(n.startswith("model.visual.") for n in names)
-        assert any(n.startswith("model.language_model.") for n in names)
+        sent = _pushed(fake_vllm, 0)
+        assert any(n.startswith("model.visual.") for n in sent)
+        assert any(n.startswith("model.language_model.") for n in sent)
         assert (fake_vllm.resets, fake_vllm.encoder_resets) == (1, 1)
+        biased = {n.removeprefix("base_model.model.") + ".bias": m.base_layer.bias
+                  for n, m in session.host.lm.model.named_modules()
+                  if hasattr(m, "lora_A") and getattr(m, "base_layer", None) is not None
+                  and m.base_layer.bias is not None}
+        assert biased and {n for n in sent if n.endswith(".bias")} == biased.keys()
+        assert all(torch.equal(sent[n], b) for n, b in biased.items())
     finally:
         session.close()
 
@@ -1103,6 +1120,10 @@ def test_prefix_cache_hits_are_reported_per_step(vllm_session: Session, fake_vll
 # ------------------------------------------------------------------ real vLLM (GPU only)
 
 
+REAL_VLLM_MEMORY = {"gpu_memory_utilization": 0.05, "vllm_kv_cache_gb": 0.25}
+"""A small share and a KV cache set directly: make test-gpu runs other GPU work beside these."""
+
+
 def _real_vllm() -> bool:
     try:
         import vllm  # noqa: F401
@@ -1119,8 +1140,8 @@ def test_real_vllm_matches_the_trainer(tiny_dir: Path, tmp_path: Path, vllm_lora
     the sampler's log-probs must agree (the request glue and the logprobs_mode are right)."""
     session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
                                          device="cuda", dtype="bfloat16",
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.05,
-                                                               vllm_lora=vllm_lora)))
+                                         engine=EngineSettings("vllm", vllm_lora=vllm_lora,
+                                                               **REAL_VLLM_MEMORY)))
     try:
         sampler = session.training_client.save_weights_and_get_sampling_client()
         episodes = sampler.play(play_episodes, SMALL, eval_set(5, 2), 2,
@@ -1148,8 +1169,8 @@ def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, t
     adapter, or merged into vLLM's weights (the old client's version merged again)."""
     session = create_session(SessionSpec(str(tiny_dir), LORA, workdir=str(tmp_path / "gpu"),
                                          device="cuda", dtype="bfloat16",
-                                         engine=EngineSettings("vllm", gpu_memory_utilization=0.05,
-                                                               vllm_lora=vllm_lora)))
+                                         engine=EngineSettings("vllm", vllm_lora=vllm_lora,
+                                                               **REAL_VLLM_MEMORY)))
     try:
         tc, fmt = session.training_client, chat_format(tiny.processor)
         prompt = _two_turn_stream(tiny)

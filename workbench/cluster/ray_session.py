@@ -236,10 +236,11 @@ class RaySession:
         return {"trainers": trainers, "engines": ray.get([e.memory.remote() for e in self.engines])}
 
     def speed_metrics(self) -> Future:
-        """`speed/*` of the sampler engines (a fast path counts as running when it runs on
-        every engine), and `memory/gpu_peak_gb` summed over every actor -> Future[dict]."""
-        refs = [e.call.remote(host.speed_metrics) for e in self.engines] + \
-            [t.call.remote(host.memory_metrics) for t in self.trainers]
+        """`speed/*` of the sampler engines and the trainer workers (a fast path counts as
+        running when it runs on every actor of its side), and `memory/gpu_peak_gb` summed over
+        every actor -> Future[dict]."""
+        refs = [e.call.remote(host.sampler_metrics) for e in self.engines] + \
+            [t.call.remote(host.trainer_metrics) for t in self.trainers]
         return gather(refs, merge_speed_metrics)
 
     def report_metrics(self, row: dict[str, Any], run: str) -> Future:
@@ -302,13 +303,14 @@ def create_ray_session(spec: SessionSpec) -> RaySession:
     engine_cls = ray.remote(max_concurrency=1, max_restarts=0)(SamplerEngine)
     trainers = [trainer_cls.options(name=names[r], **actor_options(plan, pg, "trainer", r))
                 .remote(spec, r) for r in range(c.num_workers)]
-    # A vLLM engine handed its versions by its trainer holds no copy of the model. The engines
-    # start once the trainers have their models: each checks its GPU share against what is
-    # then free.
+    # A vLLM engine handed its versions by its trainer holds no copy of the model. Our engine
+    # on a GPU starts once the trainers have their models, so that its size check
+    # (workers.check_sampler_memory) sees what they leave; vLLM checks its own share.
     weights = handoff_kind(spec) not in ("merged", "adapter")
     engines: list = []
     try:
-        ray.get([t.pid.remote() for t in trainers])
+        if spec.engine.name == "transformers" and spec.device.startswith("cuda"):
+            ray.get([t.pid.remote() for t in trainers])
         engines = [engine_cls.options(name=names[c.num_workers + k],
                                       **actor_options(plan, pg, "engine", k))
                    .remote(engine_spec(spec), weights) for k in range(c.num_engines)]

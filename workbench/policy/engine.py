@@ -82,6 +82,12 @@ class EngineSettings:
     vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
     without LoRA; each version merged into its own weights, W + scale * B @ A in bf16, sent over
     CUDA IPC: no LoRA cost, one version at a time; `policy.vllm_merged`)."""
+    vllm_kv_cache_gb: float = 0.0
+    """vllm only: vLLM's KV cache in GiB, set directly (vLLM's kv_cache_memory_bytes), instead of
+    what gpu_memory_utilization leaves once vLLM has measured its own use at start: 0 =
+    measured. That measurement reads the whole GPU's free memory, so it fails ("No available
+    memory for the cache blocks", "Error in memory profiling") when other processes on the GPU
+    allocate or free memory meanwhile (make test-gpu runs its paths side by side)."""
     vllm_fp8: bool = False
     """vllm only: vLLM runs the text and vision linear layers in FP8 (its online per-tensor
     quantisation of the bf16 weights, `quantization="fp8"`): the prefill's matrix products and

@@ -268,6 +268,8 @@ def engine_kwargs(model_path: str, settings: EngineSettings, lora_rank: int,
         enable_prefix_caching=True,  # multi-turn prefixes and the G rows of a maze are reused
         **lora,
         **({"quantization": "fp8"} if settings.vllm_fp8 else {}),
+        **({"kv_cache_memory_bytes": int(settings.vllm_kv_cache_gb * 2**30)}
+           if settings.vllm_kv_cache_gb else {}),
         max_model_len=max_model_len,
         limit_mm_per_prompt={"image": settings.max_images or 16},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from

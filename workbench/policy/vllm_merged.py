@@ -85,15 +85,18 @@ def snapshot_factors(tensors: dict[str, torch.Tensor], name: str, module: Any
 def merged_weights(model: Any, tensors: dict[str, torch.Tensor],
                    chunk_bytes: int = CHUNK_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
     """The model's LoRA linears merged with a version's snapshot `tensors` (W + scale * B @ A,
-    bf16), in chunks of about `chunk_bytes`: each chunk a list of (HF weight name, tensor). Only
-    the frozen base weights are read from the model, so a trainer may update its LoRA
-    meanwhile."""
+    bf16), in chunks of about `chunk_bytes`: each chunk a list of (HF weight name, tensor), a
+    linear's bias (the vision tower's) beside its weight, as it is. Only the frozen base weights
+    are read from the model, so a trainer may update its LoRA meanwhile."""
     chunk: list[tuple[str, torch.Tensor]] = []
     size = 0
     with torch.no_grad():
         for name, module in lora_linears(model):
             weight = merged_weight(module, snapshot_factors(tensors, name, module))
             chunk.append((hf_name(name), weight))
+            bias = module.base_layer.bias
+            if bias is not None:  # unchanged, but vLLM's FP8 reload wants each layer whole
+                chunk.append((hf_name(name).removesuffix(".weight") + ".bias", bias.detach()))
             size += weight.numel() * weight.element_size()
             if size >= chunk_bytes:
                 yield chunk

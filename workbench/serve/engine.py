@@ -74,6 +74,7 @@ class ServeSettings:
     default_ttl_s: float = 5.0  # how long a replica trusts its copy of serving.json
     engine: str = "transformers"  # transformers (one request at a time) | vllm (GPU, batching)
     gpu_memory_utilization: float = 0.5  # vllm: its share of the GPU's memory
+    kv_cache_gb: float = 0.0  # vllm: its KV cache in GiB, set directly (0: what the share leaves)
     max_model_len: int = 0  # context in tokens, prompt + max_tokens (0: the model's, <= 16384)
     max_images: int = 16  # vllm: images one request may hold (it makes room for them)
     max_body_bytes: int = 8 * 2**20  # request body; past it 413 (Content-Length or bytes read)

@@ -123,6 +123,8 @@ def engine_args(settings: ServeSettings, model_path: str, lora_rank: int,
         max_model_len=max_len, limit_mm_per_prompt={"image": settings.max_images},
         logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
         disable_log_stats=True,
+        **({"kv_cache_memory_bytes": int(settings.kv_cache_gb * 2**30)}
+           if settings.kv_cache_gb else {}),
     )
 
 

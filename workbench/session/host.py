@@ -165,20 +165,34 @@ def _sampler_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
 
 def speed_metrics(host: ModelHost) -> dict[str, float]:
     """`speed/*`: 1.0 for each fast path this host runs, 0.0 for one that fell back (its
-    warning said why); nothing for paths that were never asked for."""
+    warning said why); nothing for paths that were never asked for. The sampler's and the
+    trainer's (a Ray engine or trainer worker plays one side: `sampler_metrics`,
+    `trainer_metrics`), and `memory/gpu_peak_gb`."""
+    return sampler_metrics(host) | trainer_metrics(host)
+
+
+def sampler_metrics(host: ModelHost) -> dict[str, float]:
+    """The sampler's side of `speed_metrics`: vLLM's prefix cache (`vllm/*`), CUDA graphs and
+    the compiled decode, and this process's `memory_metrics`."""
     cache = getattr(host.engine, "cache_metrics", None)  # the vLLM engine's prefix cache
-    out: dict[str, float] = cache() if cache else {}
-    if host.speed.fp8_base:
-        out["speed/fp8_base"] = float(host.fp8_base)
-    if uses_cudnn_attention(host):
-        out["speed/cudnn_attention"] = 1.0
-    out |= memory_metrics(host)
+    out: dict[str, float] = (cache() if cache else {}) | memory_metrics(host)
     static = host.static
     if static is None:
         return out
     out["speed/cuda_graphs"] = float(static.use_graphs)
     if host.speed.compile_decode:
         out["speed/compile_decode"] = float(not static.compile_error)
+    return out
+
+
+def trainer_metrics(host: ModelHost) -> dict[str, float]:
+    """The trainer's side of `speed_metrics`: FP8 in the frozen base, cuDNN's attention, and
+    this process's `memory_metrics`."""
+    out = memory_metrics(host)
+    if host.speed.fp8_base:
+        out["speed/fp8_base"] = float(host.fp8_base)
+    if uses_cudnn_attention(host):
+        out["speed/cudnn_attention"] = 1.0
     return out
 
 
