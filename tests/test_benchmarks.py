@@ -195,3 +195,10 @@ def test_a_failed_path_is_told_by_its_first_error_line() -> None:
     log = "INFO loading\nTraceback (most recent call last):\n  File x\nValueError: no cache\n"
     assert gpu_paths.first_error(log) == "ValueError: no cache"
     assert gpu_paths.first_error("") == "(no output)"
+
+
+def test_the_gpu_tests_are_counted_from_pytests_junit_xml(tmp_path: Path) -> None:
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite name="pytest" tests="25" failures="1" errors="1" '
+                   'skipped="2"/></testsuites>')
+    assert gpu_paths.junit_summary(xml) == "21 passed, 2 failed, 2 skipped"
