@@ -1,4 +1,4 @@
-"""Every GPU path in one command: `make test-gpu` (one call of under 10 minutes on one H200).
+"""Every GPU path in one command: `make test-gpu` (one call, a 560 s budget on one H200).
 
     make test-gpu                                     # CUDA, vllm and ray importable
     python -m benchmarks.gpu_paths --list             # the paths, without running them
