@@ -207,29 +207,37 @@ def verdict(path: Path_, logs: list[str], codes: list[int], rows: list[dict[str,
 
 # ------------------------------------------------------------------------------ running
 
-def env_for(extra: dict[str, str] | None = None) -> dict[str, str]:
+def env_for(cache: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The child processes' environment: this checkout on PYTHONPATH (absolute: Ray workers
-    start elsewhere), no Ray usage stats, no token auth on the test head, unbuffered output."""
-    env = dict(os.environ)
+    start elsewhere), the command's model cache (the tiny model built once for every path), no
+    Ray usage stats, no token auth on the test head, unbuffered output. This process's own
+    environment is left as it is."""
+    env = dict(os.environ) | {"WORKBENCH_CACHE": str(cache)}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env |= {"RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
             "PYTHONUNBUFFERED": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
     return env | (extra or {})
 
 
-def run_start(args: list[str], log_path: Path, deadline: float, niceness: int
-              ) -> tuple[int, str]:
-    """One `python -m workbench train` start, its output to log_path -> (exit code, output)."""
+def run_logged(cmd: list[str], log_path: Path, deadline: float, env: dict[str, str]) -> int:
+    """cmd in a process group of its own, its output to log_path, killed (group and all) at the
+    deadline -> its exit code, 124 when killed."""
     with log_path.open("w") as log:
-        proc = subprocess.Popen(["nice", "-n", str(niceness), sys.executable, "-m", "workbench",
-                                 "train", *args], cwd=ROOT, env=env_for(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
         try:
-            code = proc.wait(timeout=max(deadline - time.time(), 1.0))
+            return proc.wait(timeout=max(deadline - time.time(), 1.0))
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
             proc.wait()
-            code = 124
+            return 124
+
+
+def run_start(args: list[str], log_path: Path, deadline: float, niceness: int, cache: Path
+              ) -> tuple[int, str]:
+    """One `python -m workbench train` start, its output to log_path -> (exit code, output)."""
+    code = run_logged(["nice", "-n", str(niceness), sys.executable, "-m", "workbench", "train",
+                       *args], log_path, deadline, env_for(cache))
     text = log_path.read_text(errors="replace")
     if code == 124:
         text += "\nTimeoutExpired: the start ran past the command's budget"
@@ -241,7 +249,7 @@ def run_path(path: Path_, out: Path, deadline: float, say: Any) -> None:
     logs, codes, t0 = [], [], time.time()
     for k, args in enumerate(path.starts):
         code, text = run_start(args, out / f"{path.name.replace('/', '-')}.{k}.log", deadline,
-                               0 if path.lane == "8b" else 10)
+                               0 if path.lane == "8b" else 10, out / "cache")
         logs.append(text)
         codes.append(code)
         if code != 0:
@@ -257,23 +265,23 @@ def start_head(out: Path) -> tuple[bool, str]:
     cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port=6399",
            f"--ray-client-server-port={CLIENT_PORT}", "--num-cpus=8", f"--num-gpus={HEAD_GPUS}",
            "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={temp}"]
-    env = env_for({"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
-                   "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    env = env_for(out / "cache", {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1",
+                                  "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     (out / "ray-head.log").write_text(done.stdout + done.stderr)
     return done.returncode == 0, first_error(done.stdout + done.stderr)
 
 
-def stop_head() -> None:
+def stop_head(cache: Path) -> None:
     subprocess.run([sys.executable, "-m", "ray.scripts.scripts", "stop", "--force"],
-                   env=env_for(), capture_output=True, timeout=120)
+                   env=env_for(cache), capture_output=True, timeout=120)
 
 
-def save_8b(folder: Path, log_path: Path) -> tuple[int, str]:
+def save_8b(folder: Path, log_path: Path, cache: Path) -> tuple[int, str]:
     """The 8B shape's random weights as a folder vLLM loads (`presets.save_random`)."""
     code = ("import torch; from workbench.model.presets import save_random; "
             f"save_random('qwen3-vl-8b-shape', {str(folder)!r}, torch.bfloat16, 'cuda')")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for(),
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env_for(cache),
                           capture_output=True, text=True, timeout=240)
     log_path.write_text(done.stdout + done.stderr)
     return done.returncode, first_error(done.stdout + done.stderr)
@@ -285,16 +293,8 @@ def run_pytest(out: Path, cache: Path, deadline: float) -> dict[str, Any]:
     log_path, xml = out / "pytest-gpu.log", out / "pytest-gpu.xml"
     cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-m", "gpu", "-n", "2", "-q",
            "-rf", "-p", "no:cacheprovider", f"--junitxml={xml}", *GPU_TEST_FILES]
-    env = env_for({"WORKBENCH_TEST_CACHE": str(cache)})
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            code = proc.wait(timeout=max(deadline - time.time(), 1.0))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            code = 124
+    code = run_logged(cmd, log_path, deadline,
+                      env_for(cache, {"WORKBENCH_TEST_CACHE": str(cache)}))
     text = log_path.read_text(errors="replace").splitlines()
     failed = [ln[:300] for ln in text if ln.startswith(("FAILED", "ERROR"))]
     summary = junit_summary(xml) if xml.is_file() else f"exit {code}: no JUnit XML"
@@ -363,9 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[{time.time() - start:5.0f} s] {line}", flush=True)
 
     cache.mkdir(exist_ok=True)
-    os.environ["WORKBENCH_CACHE"] = str(cache)  # the tiny model, built once for every path
     subprocess.run([sys.executable, "-c", "from workbench.model import tiny_path; tiny_path()"],
-                   cwd=ROOT, env=env_for(), check=True, capture_output=True)
+                   cwd=ROOT, env=env_for(cache), check=True, capture_output=True)
     head_ok, head_error = (True, "")
     if any(p.name.startswith("ray-client/") for p in paths):
         head_ok, head_error = start_head(out)
@@ -376,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def lane(items: list[Path_]) -> None:
         if items[0].lane == "8b":
-            code, error = save_8b(out / "8b-model", out / "8b-model.log")
+            code, error = save_8b(out / "8b-model", out / "8b-model.log", cache)
             if code != 0:
                 for p in items:
                     p.result = {"path": p.name, "status": f"8B model not saved: {error}"}
@@ -398,14 +397,14 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_pytest:  # tiny-sft (test_serve_parity) built beside the rest from the start
         subprocess.Popen([sys.executable, "-c", "from workbench.model.pretrained import "
                           "tiny_sft_path; tiny_sft_path()"], cwd=ROOT,
-                         env=env_for({"WORKBENCH_CACHE": str(cache)}),
+                         env=env_for(cache),
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     if any(p.name.startswith("ray-client/") for p in paths):
-        stop_head()
+        stop_head(cache)
     rows = [p.result or {"path": p.name, "status": "not run"} for p in paths]
     rows += [tests] if tests else []
     text = table(rows)

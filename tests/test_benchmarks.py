@@ -4,6 +4,7 @@ the timings `python -m workbench train` logs for it, and the scaling fit's arith
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -177,8 +178,10 @@ def test_the_gpu_paths_runner_judges_a_path_and_prints_its_table(tmp_path: Path)
     """`make test-gpu`'s runner on the CPU (our engine, in-process, float32): two steps and a
     checkpoint, a resume of one more step and the evaluation; its row passes with the figures
     of its own steps, and results.json and the table say so."""
+    cache = os.environ.get("WORKBENCH_CACHE")
     assert gpu_paths.main(["--only", "inprocess/ours", "--no-pytest", "--no-8b", "--device",
                            "cpu", "--out", str(tmp_path)]) == 0
+    assert os.environ.get("WORKBENCH_CACHE") == cache  # the runner's cache is its children's
     result = json.loads((tmp_path / "results.json").read_text())
     [row] = result["rows"]
     assert (row["path"], row["status"], row["steps"]) == ("inprocess/ours", "pass", [1, 2, 3])
