@@ -51,6 +51,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from workbench.loggers import read_metrics
+
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT_PORT = 10001  # Ray Client's port on the head the ray:// paths connect to
 HEAD_GPUS = 5  # GPUs the head advertises over the one card: a client path of each mode at once
@@ -150,14 +152,6 @@ def seed_paths(run_root: Path, model: Path) -> list[Path_]:
 
 # ------------------------------------------------------------------------- judging a path
 
-def metric_rows(run_dir: Path) -> list[dict[str, Any]]:
-    """The run's metrics.jsonl rows (one per step and per evaluation)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def first_error(log: str) -> str:
     """The line a failed start is best told by: the last exception line, else the last line."""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
@@ -168,7 +162,7 @@ def first_error(log: str) -> str:
 
 def judge(path: Path_, logs: list[str], codes: list[int]) -> dict[str, Any]:
     """A path's row: pass or why not, and its figures from its own steps in metrics.jsonl."""
-    rows = [r for r in metric_rows(path.run_dir) if "time/step" in r and r["step"] in path.steps]
+    rows = [r for r in read_metrics(path.run_dir) if "time/step" in r and r["step"] in path.steps]
     timed = [r for r in rows if r["step"] in path.timed]
     kls = [r["update/kl_sampler_trainer"] for r in rows if "update/kl_sampler_trainer" in r]
     peaks = [r["memory/gpu_peak_gb"] for r in rows if "memory/gpu_peak_gb" in r]
@@ -391,10 +385,9 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = [threading.Thread(target=lane, args=(items,)) for items in lanes.values()]
     tests: dict[str, Any] = {}
-    if not args.no_pytest:
+    if not args.no_pytest:  # tiny-sft (test_serve_parity) built beside the rest from the start
         threads.append(threading.Thread(
             target=lambda: tests.update(run_pytest(out, cache, deadline))))
-    if not args.no_pytest:  # tiny-sft (test_serve_parity) built beside the rest from the start
         subprocess.Popen([sys.executable, "-c", "from workbench.model.pretrained import "
                           "tiny_sft_path; tiny_sft_path()"], cwd=ROOT,
                          env=env_for(cache),
