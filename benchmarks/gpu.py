@@ -7,6 +7,7 @@ time/rollout_wait) and, when asked, one evaluation (time/eval) and the sampler's
     python -m benchmarks.gpu --off-policy --steps 3                 # algorithm.off_policy_steps=1
     python -m benchmarks.gpu --then-off-policy --anchor --numerics   # the issue's whole set
     python -m benchmarks.gpu --model tiny --device cpu --steps 2    # the same code on a CPU
+    python -m benchmarks.gpu --backend inprocess,ray --lora merged,adapter   # side by side
 
 On CUDA a run is the seed_gpu preset on `qwen3-vl-8b-shape` (Qwen3-VL-8B's architecture, random
 bf16 weights, `workbench.model.presets`); on the CPU the tiny preset. Both at --mazes x --group
@@ -28,6 +29,10 @@ one rollout with the update's forward and with the forward without grad (the KL 
 and the clip fraction of FP8 against bf16 under `speed.fp8_base`); --then-off-policy switches the
 live run to algorithm.off_policy_steps=1 and times --steps steps more (one fill step before them,
 one drain step after: "off_policy").
+
+Side by side: a comma list in --backend or --lora (`engine.vllm_lora`) runs each backend for
+each LoRA way as a process of its own, one after another on the same GPU, and prints one table
+of their phases with each backend's step over the first backend's ("ratio").
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ from typing import Any
 import torch
 
 H200_BF16_TFLOPS = 989.0  # dense bf16 tensor-core peak of an H200 SXM (no sparsity)
+BACKENDS = ("inprocess", "ray")
+LORA_WAYS = ("merged", "adapter")
 PHASES = ("time/step", "time/rollout", "time/update", "time/weight_sync", "time/rollout_wait")
 
 
@@ -55,8 +62,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", default="vllm" if cuda else "transformers",
                     choices=("transformers", "vllm"), help="engine.name")
-    ap.add_argument("--backend", default="inprocess", choices=("inprocess", "ray"),
-                    help="ray: cluster.address=local (a trainer and an engine actor)")
+    ap.add_argument("--backend", default="inprocess", help="inprocess or ray (cluster."
+                    "address=local: a trainer and an engine actor), or both: inprocess,ray")
+    ap.add_argument("--lora", default="", help="engine.vllm_lora: merged, adapter or both "
+                    "(merged,adapter); default the preset's")
     ap.add_argument("--model", default="qwen3-vl-8b-shape" if cuda else "tiny",
                     help="a shape of workbench.model.presets, tiny, or a checkpoint folder")
     ap.add_argument("--device", default="cuda" if cuda else "cpu")
@@ -86,11 +95,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default="", help="JSON file for the summary")
     ap.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = ap.parse_args(argv)
+    for flag, valid in (("backend", BACKENDS), ("lora", LORA_WAYS)):
+        bad = [v for v in listed(getattr(args, flag)) if v not in valid]
+        if bad:
+            ap.error(f"--{flag} {','.join(bad)}: choose from {', '.join(valid)}")
     if args.off_policy and args.warmup < 1:
         ap.error("--off-policy needs --warmup >= 1: the first step samples on-policy")
     if args.off_policy and args.then_off_policy:
         ap.error("--then-off-policy already times off-policy steps after the on-policy ones")
     return args
+
+
+def listed(value: str) -> list[str]:
+    """`a,b` -> [a, b]; empty -> []."""
+    return [v for v in value.split(",") if v]
 
 
 def bench_config(args: argparse.Namespace, workdir: Path) -> Any:
@@ -117,6 +135,8 @@ def bench_config(args: argparse.Namespace, workdir: Path) -> Any:
         f"run_dir={workdir / 'run'}"]
     if args.backend == "ray":
         overrides.append("cluster.address=local")
+    if args.lora:
+        overrides.append(f"engine.vllm_lora={args.lora}")
     return apply_overrides(PRESETS["seed_gpu" if cuda else "tiny"], overrides + args.overrides)
 
 
@@ -427,6 +447,9 @@ def summarize(rows: list[dict[str, Any]], episodes: int) -> dict[str, float]:
 
     out = {k.removeprefix("time/") + "_s": med(r[k] for r in rows) for k in PHASES}
     trained = [r for r in rows if "update/loss" in r]
+    peaks = [r["memory/gpu_peak_gb"] for r in rows if "memory/gpu_peak_gb" in r]
+    if peaks:
+        out["gpu_peak_gb"] = max(peaks)
     out |= {"sampled_tokens_per_s": med(r["rollout/reply_tokens_mean"] * episodes
                                         / r["time/rollout"] for r in rows),
             "episode_tokens_mean": med(r["rollout/tokens_mean"] for r in rows),
@@ -471,6 +494,8 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
     from workbench.rl.train import run_eval, start
 
     args = parse(argv)
+    if len(listed(args.backend)) > 1 or len(listed(args.lora)) > 1:
+        return side_by_side(args, argv if argv is not None else sys.argv[1:], log)
     if args.threads:
         torch.set_num_threads(args.threads)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="workbench-bench-"))
@@ -533,6 +558,76 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
         summary["peak_gpu_gb"] = torch.cuda.max_memory_allocated() / 1e9  # this process's
     save(summary, args.out)
     return summary
+
+
+SIDE_COLUMNS = ("step_s", "rollout_s", "update_s", "weight_sync_s", "kl_sampler_trainer",
+                "gpu_peak_gb")
+
+
+def side_by_side(args: argparse.Namespace, argv: list[str], log: Any) -> dict[str, Any]:
+    """Each --backend for each --lora way as its own `python -m benchmarks.gpu` process, one
+    after another, with the other arguments as given -> {"runs": {"backend/lora": summary},
+    "table": markdown}; a run that failed keeps its exit status and the first error line."""
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="workbench-side-"))
+    rest = without(argv, ("--backend", "--lora", "--workdir", "--out"))
+    runs: dict[str, Any] = {}
+    for lora in listed(args.lora) or [""]:
+        for backend in listed(args.backend):
+            name = f"{backend}/{lora}" if lora else backend
+            stem = workdir / name.replace("/", "-")
+            out = stem.with_suffix(".json")
+            child = [sys.executable, "-m", "benchmarks.gpu", *rest, "--backend", backend,
+                     "--workdir", str(stem), "--out", str(out), *(["--lora", lora] * bool(lora))]
+            log(f"side by side: {name}: {' '.join(child[1:])}")
+            done = subprocess.run(child, cwd=Path(__file__).resolve().parent.parent,
+                                  capture_output=True, text=True)
+            stem.with_suffix(".log").write_text(done.stdout + done.stderr)
+            runs[name] = json.loads(out.read_text()) if done.returncode == 0 else {
+                "returncode": done.returncode, "error": first_error(done.stdout + done.stderr)}
+            log(f"side by side: {name}: " + (f"step {runs[name]['step_s']:.2f} s"
+                                             if "step_s" in runs[name] else runs[name]["error"]))
+    summary = {"machine": machine(args), "runs": runs, "table": side_table(runs)}
+    log(summary["table"])
+    save(summary, args.out)
+    return summary
+
+
+def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """argv less each of `flags` and its value (`--flag v` or `--flag=v`)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            out.append(arg)
+    return out
+
+
+def first_error(text: str) -> str:
+    """The last line that names an error (the exception a traceback ends with), or the last."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    named = [ln for ln in lines if "Error" in ln or "error:" in ln]
+    return (named or lines or ["(no output)"])[-1][:200]
+
+
+def side_table(runs: dict[str, Any]) -> str:
+    """One markdown row a run: its phases and, under each LoRA way, its step over the first
+    backend's step."""
+    head = ["run", *SIDE_COLUMNS, "ratio"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    first: dict[str, float] = {}
+    for name, run in runs.items():
+        way = name.partition("/")[2]
+        if "step_s" not in run:
+            lines.append(f"| {name} | " + run["error"].replace("|", "/") + " |"
+                         + " |" * (len(head) - 2))
+            continue
+        first.setdefault(way, run["step_s"])
+        cells = [f"{run[k]:.3g}" if k in run else "-" for k in SIDE_COLUMNS]
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {run['step_s'] / first[way]:.2f}x |")
+    return "\n".join(lines)
 
 
 def save(summary: dict[str, Any], out: str) -> None:

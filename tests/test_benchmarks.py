@@ -46,6 +46,45 @@ def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> Non
     assert any(name.startswith("aten::") for name, _, _ in profile["top_cpu_ops"])
 
 
+def test_side_by_side_runs_each_backend_as_its_own_process_and_tables_the_ratio(
+        tmp_path: Path) -> None:
+    """--backend inprocess,ray: two child runs of the same step (a real local Ray for the
+    second), each summary kept, one table row each with its step over the in-process step."""
+    lines: list[str] = []
+    summary = gpu.bench([*SMALL, "--steps", "1", "--backend", "inprocess,ray", "--workdir",
+                         str(tmp_path), "--out", str(tmp_path / "side.json")], log=lines.append)
+    runs = summary["runs"]
+    assert list(runs) == ["inprocess", "ray"]
+    assert [runs[b]["config"]["backend"] for b in runs] == ["inprocess", "ray"]
+    assert [r["step"] for r in read_metrics(tmp_path / "ray" / "run")] == [1, 2]
+    rows = summary["table"].splitlines()[2:]
+    assert rows[0].startswith("| inprocess |") and rows[0].endswith("| 1.00x |")
+    ratio = runs["ray"]["step_s"] / runs["inprocess"]["step_s"]
+    assert rows[1].startswith("| ray |") and rows[1].endswith(f"| {ratio:.2f}x |")
+    assert json.loads((tmp_path / "side.json").read_text())["table"] == summary["table"]
+
+
+def test_side_by_side_keeps_a_failed_runs_first_error_line() -> None:
+    assert gpu.without(["--steps", "2", "--backend", "a,b", "--out=x", "k=v"],
+                       ("--backend", "--out")) == ["--steps", "2", "k=v"]
+    table = gpu.side_table({
+        "inprocess/merged": {"step_s": 2.0, "rollout_s": 1.0, "update_s": 1.0},
+        "ray/merged": {"returncode": 1, "error": gpu.first_error(
+            "Traceback\n  File x\nRuntimeError: no | GPU\n")},
+        "inprocess/adapter": {"step_s": 4.0}, "ray/adapter": {"step_s": 4.4}})
+    rows = table.splitlines()[2:]
+    assert rows[1].startswith("| ray/merged | RuntimeError: no / GPU |")
+    assert rows[2].endswith("| 1.00x |") and rows[3].endswith("| 1.10x |")
+    assert rows[0].split(" | ")[1:4] == ["2", "1", "1"]
+
+
+def test_a_backend_or_lora_way_not_known_names_the_valid_ones(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        gpu.parse([*SMALL, "--backend", "inprocess,kuberay"])
+    assert "--backend kuberay: choose from inprocess, ray" in capsys.readouterr().err
+
+
 def test_the_update_mfu_counts_four_flops_a_text_weight_a_token() -> None:
     """update_mfu's convention on the small shape with LoRA: per token 4 x the frozen text
     linear weights (every layer's q, k, v, o, gate, up, down, counted by hand), against the
