@@ -260,6 +260,9 @@ MODULE_MARKERS: dict[str, tuple[str, ...]] = {
     "test_ray_remote": ("ray", "slow"),  # `ray start --head`, jobs from tiny-sft
     "test_run_folder": ("slow",),  # most tests copy its 2-step training run (module fixture)
     "test_serve_hostile": ("slow",),  # a served corpus of 200+ requests, a 429 / 504 server
+    "test_service": ("slow",),  # the session server on tiny-sft, driven by the tinker SDK
+    "test_service_hostile": ("slow",),  # session-server processes, a corpus, a crash
+    "test_cookbook": ("slow",),  # tinker-cookbook's venv (built once, ~1.5 min) and a recipe
     "test_spec": ("slow",),  # most tests read its 1-step training run (module fixture)
     "test_train": ("slow",),  # training runs from tiny-sft, killed and resumed
 }

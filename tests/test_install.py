@@ -33,7 +33,8 @@ def _env_pins() -> dict[str, str]:
 def _pyproject_reqs() -> list[Requirement]:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    extra_reqs = [r for k in ("ray", "s3", "viz", "notebook", "serve", "tensorboard", "mlflow")
+    extra_reqs = [r for k in ("ray", "s3", "viz", "notebook", "serve", "service", "tensorboard",
+                                "mlflow")
                   for r in extras[k]]
     names = project["dependencies"] + extra_reqs
     return [Requirement(r) for r in names]

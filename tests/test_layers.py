@@ -2,7 +2,7 @@
 
     workbench, deps, advantages  <  loggers  <  envs, model  <  policy  <  session  <  storage
     <  cluster  <  config  <  run, runfolder, registry, opener  <  rl, jobs
-    <  viz, serve, notebook, demo, cli
+    <  viz, serve, service, notebook, demo, cli
 
 No import cycle; no underscore name imported from another module; no module imports from a layer
 above its own; the model, the sampler, the session and its Ray backend do not know the maze.
@@ -29,8 +29,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workbench.run", "workbench.runfolder", "workbench.registry", "workbench.opener",
      "workbench.estimate"),
     ("workbench.rl", "workbench.jobs"),
-    ("workbench.viz", "workbench.serve", "workbench.notebook", "workbench.demo",
-     "workbench.cli", "workbench.__main__"),
+    ("workbench.viz", "workbench.serve", "workbench.service", "workbench.notebook",
+     "workbench.demo", "workbench.cli", "workbench.__main__"),
 )
 """Lowest first: a module may import its own layer and those below."""
 

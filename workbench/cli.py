@@ -12,6 +12,7 @@
     python -m workbench adapters list|publish|promote|rollback --store s3://bucket/prefix
     python -m workbench serve  --adapters s3://bucket/prefix [--replicas N] [--port P]
     python -m workbench serve  --engine vllm --model FOLDER --adapters runs/store   (GPU)
+    python -m workbench session-server --api-key tml-KEY model.name=tiny-sft run_dir=runs/svc
 
 `python -m workbench train --help` lists every key with its default and meaning.
 """
@@ -167,10 +168,46 @@ def _serve(args: argparse.Namespace) -> None:
         shutdown(endpoint, disconnect=True)  # in this process: its server (and vLLM); else Serve
 
 
+def _session_server(args: argparse.Namespace) -> None:
+    import signal
+    import time
+
+    from workbench.opener import session_spec
+    from workbench.serve.engine import key_hash
+    from workbench.service import ServiceSettings, start
+
+    if args.api_key and not args.api_key.startswith("tml-"):
+        raise ConfigError("--api-key must start with 'tml-': the tinker SDK sends no other key")
+    config = _config(args)
+    settings = ServiceSettings(api_key_sha256=key_hash(args.api_key), **{
+        name: getattr(args, name) for name in SERVICE_LIMITS})
+    server = start(session_spec(config, config.run_dir), settings, args.host, args.port)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+SERVICE_LIMITS = {  # ServiceSettings field -> (type, help) of `session-server --max-queue` etc.
+    "max_queue": (int, "calls accepted and not finished, over every user; past it 429"),
+    "session_timeout_s": (float, "a session without a heartbeat this long is ended"),
+    "poll_s": (float, "how long retrieve_future holds a call that is not done"),
+    "max_body_bytes": (int, "request body in bytes; past it 413"),
+    "body_timeout_s": (float, "seconds for a request's whole body to arrive; past it 408"),
+    "max_image_pixels": (int, "pixels of one image; past it 400"),
+    "default_max_tokens": (int, "a sample request's max_tokens when it names none"),
+}
+
+
 LIMITS = {  # ServeSettings field -> (type, help) of `serve --max-queue` etc. (serve.limits)
     "max_model_len": (int, "context in tokens, prompt + max_tokens; past it 400 "
                            "(0: the model's own, at most 16384)"),
     "max_body_bytes": (int, "request body in bytes; past it 413"),
+    "body_timeout_s": (float, "seconds for a request's whole body to arrive; past it 408"),
     "max_image_pixels": (int, "pixels of one request's images together; past it 400"),
     "max_queue": (int, "requests a replica holds at once, running or waiting; past it 429"),
     "request_timeout_s": (float, "seconds from admission to reply; past it 504"),
@@ -233,6 +270,20 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
                    "bfloat16)")
     _limit_options(s)
     s.set_defaults(func=_serve)
+    ss = sub.add_parser("session-server", help="training sessions over HTTP for the tinker SDK "
+                        "(docs/service.md): one session spec, many users, a LoRA each")
+    _with_overrides(ss)
+    ss.add_argument("--host", default="127.0.0.1", help="bind address")
+    ss.add_argument("--port", type=int, default=8100, help="HTTP port (0: a free port)")
+    ss.add_argument("--api-key", default=os.environ.get("WORKBENCH_SESSION_KEY", ""),
+                    help="require 'X-API-Key: KEY' (tml-...; default: $WORKBENCH_SESSION_KEY)")
+    from workbench.service.service import ServiceSettings
+
+    defaults = ServiceSettings()
+    for name, (kind, text) in SERVICE_LIMITS.items():
+        ss.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
+                        help=f"{text} (default: {getattr(defaults, name)})")
+    ss.set_defaults(func=_session_server)
 
 
 def _with_overrides(sub: argparse.ArgumentParser) -> None:

@@ -17,13 +17,15 @@ as the prompt is tokenized, and the time limit while it waits and runs.
 
 Errors are OpenAI-shaped JSON: {"error": {"message", "type", "code", "param"}} with 400 (bad
 request, a prompt past the context, images past max_image_pixels), 401 (API key missing or
-wrong), 404 (unknown model or adapter), 413 (body past max_body_bytes), 422 (a broken,
+wrong), 404 (unknown model or adapter), 408 (the body did not arrive within body_timeout_s:
+the connection is closed), 413 (body past max_body_bytes), 422 (a broken,
 incomplete or foreign-base adapter: the server keeps running), 429 with Retry-After (max_queue
 requests already held), 504 (past request_timeout_s) or 500.
 """
 
 import asyncio
 import hmac  # no `from __future__ import annotations`: FastAPI reads the route annotations
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -39,8 +41,10 @@ from workbench.serve.engine import (
     prompt_limits,
 )
 from workbench.serve.errors import RequestError, error_body
-from workbench.serve.limits import Gate, parse_json, read_body
+from workbench.serve.limits import ClientGone, Gate, parse_json, read_body
 from workbench.serve.vllm_async import generate_vllm
+
+LOG = logging.getLogger("workbench.serve")
 
 
 def authorized(header: str, api_key_sha256: str) -> bool:
@@ -56,7 +60,7 @@ def build_app(engine: Engine) -> Any:
     """The FastAPI app serving `engine`."""
     fastapi = require("fastapi")
     from fastapi.concurrency import run_in_threadpool
-    from fastapi.responses import JSONResponse
+    from fastapi.responses import JSONResponse, Response
     from starlette.requests import Request
 
     app = fastapi.FastAPI(title="workbench", docs_url=None, redoc_url=None, openapi_url=None)
@@ -74,6 +78,9 @@ def build_app(engine: Engine) -> Any:
 
     @app.exception_handler(RequestError)
     async def request_error(_: Any, err: RequestError) -> Any:
+        if isinstance(err, ClientGone):  # nobody to answer: one line, no traceback
+            LOG.warning("workbench serve: %s", err)
+            return Response(status_code=err.status)
         return JSONResponse(error_body(str(err), err.code, err.kind), status_code=err.status,
                             headers=err.headers)
 
@@ -89,7 +96,7 @@ def build_app(engine: Engine) -> Any:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Any:
         s = engine.settings
-        body = parse_json(await read_body(request, s.max_body_bytes))
+        body = parse_json(await read_body(request, s.max_body_bytes, s.body_timeout_s))
         parsed = parse_request(body, s.default_max_tokens, s.max_tokens_limit)
         limits = prompt_limits(engine, parsed)  # refused here, the queue is never entered
         await run_in_threadpool(measure_messages, parsed.messages, limits)

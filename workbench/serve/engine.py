@@ -78,6 +78,7 @@ class ServeSettings:
     max_model_len: int = 0  # context in tokens, prompt + max_tokens (0: the model's, <= 16384)
     max_images: int = 16  # vllm: images one request may hold (it makes room for them)
     max_body_bytes: int = 8 * 2**20  # request body; past it 413 (Content-Length or bytes read)
+    body_timeout_s: float = 30.0  # the whole body must arrive by then; past it 408, closed
     max_image_pixels: int = 4096 * 4096  # pixels of one request's images together (headers)
     max_queue: int = 64  # requests a replica holds at once, running or waiting; past it 429
     request_timeout_s: float = 60.0  # admission to reply: waiting + generating; past it 504
@@ -86,7 +87,8 @@ class ServeSettings:
         if self.engine not in ENGINES:
             raise ValueError(f"serve engine {self.engine!r} is not one of "
                              f"{', '.join(map(repr, ENGINES))}")
-        for name in ("max_body_bytes", "max_image_pixels", "max_queue", "request_timeout_s"):
+        for name in ("max_body_bytes", "body_timeout_s", "max_image_pixels", "max_queue",
+                     "request_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"serve {name} must be positive, not {getattr(self, name)!r}")
 

@@ -1,6 +1,7 @@
 """What one request may take from a replica, each limit in one place (a ServeSettings field):
 
     max_body_bytes     the request body: Content-Length, then the bytes read           413
+    body_timeout_s     seconds for the whole body to arrive (the connection is closed)  408
     max_model_len      the context: prompt tokens + max_tokens                          400
     max_image_pixels   the pixels of a request's images, from each header before it
                        is decoded                                                       400
@@ -119,18 +120,42 @@ class PromptLimits:
                 "of images per request (max_image_pixels)", code="image_too_large")
 
 
-async def read_body(request: Any, limit: int) -> bytes:
+class ClientGone(RequestError):
+    """The client disconnected before its body had come: nobody to answer (one log line)."""
+
+    def __init__(self, size: int, declared: str) -> None:
+        super().__init__(f"client disconnected mid-body ({size:,} of {declared or '?'} bytes)",
+                         status=499, code="client_closed_request")
+
+
+async def read_body(request: Any, limit: int, timeout_s: float) -> bytes:
     """The body of a starlette Request, refused (413) past `limit` bytes: at once when its
-    Content-Length says so, else once that many bytes have come (a chunked or lying body)."""
+    Content-Length says so, else once that many bytes have come (a chunked or lying body).
+    The whole body must arrive within `timeout_s` of the headers: a client that stops sending
+    gets 408 and its connection is closed (it holds no handle and no slot past that); one that
+    disconnects is a `ClientGone`."""
+    import asyncio
+
+    from starlette.requests import ClientDisconnect
+
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(f"Content-Length {int(declared):,}", limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(f"more than {limit:,} bytes read", limit)
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise _too_large(f"more than {limit:,} bytes read", limit)
+                chunks.append(chunk)
+    except TimeoutError:
+        raise RequestError(f"the request body did not arrive within {timeout_s:g} s "
+                           f"(body_timeout_s): {size:,} of {declared or '?'} bytes came",
+                           status=408, code="body_timeout",
+                           headers={"Connection": "close"}) from None
+    except ClientDisconnect:
+        raise ClientGone(size, declared) from None
     return b"".join(chunks)
 
 

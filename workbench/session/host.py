@@ -84,6 +84,10 @@ class ModelHost:
     # (3,367 modules at the 8B shape) while the GPU waits
     modules: tuple[torch.nn.Module, ...] = ()
     adapted: tuple[torch.nn.Module, ...] = ()
+    # several LoRA adapters over this one base (`session.tenants`): the one in the model, and
+    # the others parked with their gradients and optimiser moments ("" is the spec's own)
+    tenant: str = ""
+    tenants: dict[str, Any] = field(default_factory=dict)
 
     @property
     def pad_id(self) -> int:

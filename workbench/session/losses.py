@@ -8,7 +8,7 @@ convention) or applies a mean reduction. With r = exp(logp - sampler_logp):
     cross_entropy        -(w * logp)
     importance_sampling  -(w * r * A)
     ppo                  -(w * min(r * A, clip(r, 1 - clip_low, 1 + clip_high) * A))
-    cispo                -(w * stopgrad(clip(r, 0, cispo_max)) * logp * A)
+    cispo                -(w * stopgrad(clip(r, cispo_min, cispo_max)) * logp * A)
 
 With truncated importance sampling (`LossConfig.tis_cap`, `truncated_is`) r is taken against
 the trainer's own log-probs and w carries min(trainer / sampler, cap) instead.
@@ -30,7 +30,8 @@ class LossConfig:
 
     clip_low: float = 0.2  # PPO: ratio floor is 1 - clip_low
     clip_high: float = 0.2  # PPO: ratio ceiling is 1 + clip_high
-    cispo_max: float = 4.0  # CISPO: ratio weights clipped to [0, cispo_max]
+    cispo_min: float = 0.0  # CISPO: ratio weights clipped to [cispo_min, cispo_max]
+    cispo_max: float = 4.0
     reduction: str = "sequence_mean"  # "sum" | "token_mean" | "sequence_mean" (the run's default)
     temperature: float = 1.0  # trainer log-probs at the sampling temperature
     tis_cap: float = 0.0  # truncated importance sampling (`truncated_is`); 0 = off
@@ -60,8 +61,9 @@ def ppo(logp_T, sampler_logp_T, adv_T, w_T, cfg: LossConfig) -> torch.Tensor:
 
 
 def cispo(logp_T, sampler_logp_T, adv_T, w_T, cfg: LossConfig) -> torch.Tensor:
-    """Clipped IS-weight policy optimisation: -(w * sg(clip(r, 0, max)) * logp * A)."""
-    weight_T = torch.clamp(torch.exp(logp_T - sampler_logp_T), 0.0, cfg.cispo_max).detach()
+    """Clipped IS-weight policy optimisation: -(w * sg(clip(r, min, max)) * logp * A)."""
+    weight_T = torch.clamp(torch.exp(logp_T - sampler_logp_T), cfg.cispo_min,
+                           cfg.cispo_max).detach()
     return -(w_T * weight_T * logp_T * adv_T)
 
 

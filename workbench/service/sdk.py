@@ -1,0 +1,77 @@
+"""The workbench's streams as the tinker SDK's types, for a loop that drives the session server
+with the SDK's own classes (tests/test_service.py plays mazes this way).
+
+    prompt = model_input(stream)                          # tokens + each image as a PNG chunk
+    sampler.sample(prompt, 4, tinker.types.SamplingParams(max_tokens=8, seed=0))
+    training_client.forward_backward([rl_datum(ep.stream, advantage)], "importance_sampling")
+
+Needs the `tinker` package (the `service` extra).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+
+from workbench.policy import Stream
+from workbench.policy.sampler import Completion
+
+
+def png(image_HW3: np.ndarray) -> bytes:
+    """An RGB uint8 image as PNG bytes (lossless: the server reads the same pixels back)."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.ascontiguousarray(image_HW3)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def model_input(stream: Stream, end: int | None = None) -> Any:
+    """The stream's tokens [0, end) as a tinker ModelInput: text as token chunks, each image's
+    <|image_pad|> run as an image chunk of the RGB image it came from."""
+    from tinker import types
+
+    tokens, kinds = stream.tokens_T[:end], stream.mm_types_T[:end]
+    chunks: list[Any] = []
+    text: list[int] = []
+    t, image = 0, 0
+    while t < len(tokens):
+        if kinds[t] == 0:
+            text.append(tokens[t])
+            t += 1
+            continue
+        if text:
+            chunks.append(types.EncodedTextChunk(tokens=text))
+            text = []
+        run = next((u for u in range(t, len(tokens)) if kinds[u] == 0), len(tokens)) - t
+        pixels = stream.images[image].image_HW3
+        if pixels is None:
+            raise ValueError(f"image {image} of the stream keeps no RGB pixels to send")
+        chunks.append(types.ImageChunk(data=png(pixels), format="png", expected_tokens=run))
+        image, t = image + 1, t + run
+    if text:
+        chunks.append(types.EncodedTextChunk(tokens=text))
+    return types.ModelInput(chunks=chunks)
+
+
+def rl_datum(stream: Stream, advantage: float) -> Any:
+    """A tinker Datum for importance_sampling / ppo / cispo: the stream's tokens but the last
+    as model_input, the next tokens as targets, the sampler's log-probs, and `advantage` on
+    every sampled token (0 elsewhere: tinker's advantages carry the mask)."""
+    from tinker import types
+
+    mask = np.asarray(stream.loss_mask_T[1:], dtype=np.float32)
+    return types.Datum(model_input=model_input(stream, len(stream) - 1), loss_fn_inputs={
+        "target_tokens": types.TensorData.from_numpy(np.asarray(stream.tokens_T[1:],
+                                                                dtype=np.int64)),
+        "logprobs": types.TensorData.from_numpy(
+            np.asarray(stream.logprobs_T[1:], dtype=np.float32) * mask),
+        "advantages": types.TensorData.from_numpy(mask * np.float32(advantage))})
+
+
+def completion(sequence: Any) -> Completion:
+    """A tinker SampledSequence as the workbench's Completion."""
+    return Completion(tokens=list(sequence.tokens), logprobs=list(sequence.logprobs or []),
+                      stop_reason=sequence.stop_reason)
