@@ -289,6 +289,8 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_notebooks::test_every_notebook_is_listed": (),
     "test_notebooks::test_06_serve_on_local_ray": ("notebook", "ray", "slow"),
     "test_notebooks::test_07_session_api_on_local_ray": ("notebook", "ray", "slow"),
+    "test_service::test_the_server_runs_a_ray_session_with_two_users_as_in_process":
+        ("ray", "slow"),
     "test_notebooks::test_trajectory_player_in_a_real_browser": ("notebook", "browser", "slow"),
     "test_notebooks::test_saved_notebook_without_a_kernel_in_a_real_browser":
         ("notebook", "browser", "slow"),  # nbclient, JupyterLab and chromium, no model
@@ -345,7 +347,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # test ids, so the Ray unit is named here; collection checks it holds every `ray` test.
 RAY_UNIT = ("test_ray_local.py", "test_ray_remote.py", "test_serve.py",
             "test_notebooks.py::test_06_serve_on_local_ray",
-            "test_notebooks.py::test_07_session_api_on_local_ray")
+            "test_notebooks.py::test_07_session_api_on_local_ray",
+            "test_service.py::test_the_server_runs_a_ray_session_with_two_users_as_in_process")
 
 
 def in_ray_unit(nodeid: str) -> bool:

@@ -368,3 +368,40 @@ def test_a_session_without_heartbeats_ends_and_past_the_queue_calls_get_429(
     ended = [json.loads(x) for x in (Path(strict.service.workdir) / "usage.jsonl")
              .read_text().splitlines() if '"end"' in x]
     assert ended[-1]["session_id"] == sid and "no heartbeat for 1 s" in ended[-1]["why"]
+
+
+def test_the_server_runs_a_ray_session_with_two_users_as_in_process(
+        sft_model: str, tmp_path: Path, ray_temp_dir: Path, server: Any) -> None:
+    """spec.cluster.address=local: the same calls on a trainer and a sampler actor; two users'
+    steps give the losses the in-process server gives, a state saves and samples come back."""
+    from workbench.session import ClusterSpec
+
+    ray_spec = spec(sft_model, tmp_path)
+    ray_spec = SessionSpec(model=ray_spec.model, lora=LORA, workdir=ray_spec.workdir,
+                           cluster=ClusterSpec(address="local", num_cpus=2,
+                                               temp_dir=str(ray_temp_dir)))
+    on_ray = start(ray_spec, ServiceSettings(api_key_sha256=_sha(KEY), poll_s=5),
+                   log=lambda _: None)
+    ids = [1, 2, 3, 4, 5, 6, 7, 8]
+    datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={
+        "target_tokens": ids[1:], "weights": [1.0] * 7})
+
+    def losses(s: Any) -> list[float]:
+        a = sdk(s).create_lora_training_client(s.service.base_model, rank=4, seed=1).result()
+        b = sdk(s).create_lora_training_client(s.service.base_model, rank=8, seed=2).result()
+        out = []
+        for c in (a, b, a, b):
+            out.append(c.forward_backward([datum], "cross_entropy").result().metrics["loss:sum"])
+            c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        sample = a.save_weights_and_get_sampling_client().result().sample(
+            types.ModelInput.from_ints(ids), 2, types.SamplingParams(max_tokens=4, seed=1))
+        assert a.save_state("s").result().path.endswith("/weights/s")
+        return out + [tuple(x.tokens) for x in sample.result().sequences]
+
+    try:
+        assert on_ray.service.session.describe()["backend"]["kind"] == "ray"
+        ray_run, here = losses(on_ray), losses(server)
+        assert ray_run[:4] == pytest.approx(here[:4], rel=1e-5)
+        assert ray_run[4:] == here[4:]  # the same sampled tokens
+    finally:
+        on_ray.stop()
