@@ -334,6 +334,30 @@ def test_07_session_api_on_local_ray(kernel: str, sft_model: str, tmp_path: Path
     assert [s is not None for s in m["optimizer_steps"]] == [n > 0 for n in m["datums"]]
 
 
+def test_07_session_api_through_the_session_server(kernel: str, sft_model: str, tmp_path: Path
+                                                   ) -> None:
+    """SESSION_URL: the same cells on a session server (`workbench.service`), every call
+    through the official tinker SDK; the recomputed log-probs match the sampled ones."""
+    pytest.importorskip("tinker")
+    from workbench.model import LoraSettings
+    from workbench.service import start
+    from workbench.session import SessionSpec
+
+    server = start(SessionSpec(model="tiny-sft", lora=LoraSettings(vision=True),  # BASE_MODEL's
+                               workdir=str(tmp_path / "server")), log=lambda _: None)
+    try:
+        m = run_notebook("07_session_api", kernel, tmp_path / "notebook",
+                         SESSION_URL=server.url, SESSION_KEY="tml-notebook")
+        usage = [u for u in server.service.clients.values()]
+    finally:
+        server.stop()
+    assert m["session"] == "RemoteSession" and m["iterations"] == [1, 2, 3]
+    assert m["logprob_gap"] < 1e-4
+    assert [s is not None for s in m["optimizer_steps"]] == [n > 0 for n in m["datums"]]
+    [client] = usage
+    assert client.ended == "finished by the client" and client.usage.sampled_tokens > 0
+
+
 # ---------------------------------------------------------------- a real browser
 
 CHROMIUM = "/usr/bin/chromium"

@@ -52,8 +52,8 @@ def start(spec: SessionSpec, settings: ServiceSettings = ServiceSettings(),
                          "lora settings (the largest rank it serves)")
     session = open_session(spec, log=log)
     processor = session.training_client.get_processor()
-    tokenizer_dir = str((Path(spec.workdir) / "tokenizer").resolve())
-    processor.tokenizer.save_pretrained(tokenizer_dir)
+    tokenizer_dir = str((Path(spec.workdir) / "processor").resolve())
+    processor.save_pretrained(tokenizer_dir)  # the tokenizer, and the image pipeline too
     executor: Any = session  # the clients' Executor (each backend is one)
     model_dir = executor.submit(operator.attrgetter("lm.path")).result()
     model_len = executor.submit(operator.attrgetter(
