@@ -354,14 +354,18 @@ def test_a_session_without_heartbeats_ends_and_past_the_queue_calls_get_429(
     sid, model = new_model(strict)
     adam = {"learning_rate": 1e-3}
     # seq_ids 2 and 3 wait for 1, which never comes: two calls held, the queue's limit
-    for seq in (2, 3):
-        assert post(strict, "optim_step", {"model_id": model, "seq_id": seq,
-                                           "adam_params": adam}).status_code == 200
+    held = [post(strict, "optim_step", {"model_id": model, "seq_id": seq, "adam_params": adam})
+            for seq in (2, 3)]
+    assert [h.status_code for h in held] == [200, 200]
     full = post(strict, "optim_step", {"model_id": model, "seq_id": 4, "adam_params": adam})
     assert full.status_code == 429 and full.headers["Retry-After"] == "1"
     assert "max_queue 2" in full.json()["detail"]
     while not strict.service.clients[sid].ended:  # no heartbeat: ended within ~1 s
         httpx.get(f"{strict.url}/api/v1/healthz", headers={"X-API-Key": KEY})
+    for h in held:  # their turn never came: each fails, and the queue is free again
+        assert "ended (no heartbeat for 1 s) before this call's turn" in \
+            result(strict, h.json()["request_id"])["error"]
+    assert not any(not c.future.done() for c in strict.service.calls.values())
     assert post(strict, "session_heartbeat", {"session_id": sid}).status_code == 410
     gone = post(strict, "optim_step", {"model_id": model, "seq_id": 1, "adam_params": adam})
     assert gone.status_code == 404

@@ -31,6 +31,7 @@ from workbench.serve.errors import RequestError
 from workbench.serve.limits import ClientGone, parse_json, read_body
 from workbench.service import wire
 from workbench.service.service import Service, ServiceError
+from workbench.session.checkpoint import IncompleteCheckpoint
 from workbench.session.types import AdamParams
 
 LOG = logging.getLogger("workbench.service")
@@ -373,7 +374,7 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
             return {"type": "try_again", "request_id": rid, "queue_state": "active"}
         exc = call.future.exception()
         if exc is not None:
-            user = isinstance(exc, (ValueError, KeyError))
+            user = isinstance(exc, (ValueError, KeyError, IncompleteCheckpoint))
             return {"error": f"{type(exc).__name__}: {exc}",
                     "category": "user" if user else "server"}
         value = call.future.result()

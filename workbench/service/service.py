@@ -107,7 +107,7 @@ class Model:
     session_id: str
     tenant: Tenant
     next_seq: int = 1
-    waiting: dict[int, Callable[[], None]] = field(default_factory=dict)
+    waiting: dict[int, tuple[Call, Callable[[], Any]]] = field(default_factory=dict)
     requests: dict[int, str] = field(default_factory=dict)  # seq_id -> request id
 
 
@@ -169,7 +169,11 @@ class Service:
             return
         c.ended = why
         for model_id in c.models:
-            self.models.pop(model_id, None)
+            model = self.models.pop(model_id, None)
+            for call, _ in (model.waiting.values() if model else ()):  # their turn never comes
+                call.future.set_exception(ServiceError(f"session {session_id} ended ({why}) "
+                                                       "before this call's turn"))
+                call.finished_at = time.monotonic()
         self._dispatch(lambda: [self.executor.submit_all(drop_tenant, m) for m in c.models])
         c.samplers.clear()
         self._record(session_id, "end", Usage(), {"why": why, "total": asdict(c.usage)})
@@ -263,9 +267,9 @@ class Service:
         submit, kind, result = self._training_call(m, what, *args)
         call = self._call(m.session_id, kind, None, result)
         m.requests[seq_id] = call.request_id
-        m.waiting[seq_id] = lambda: self._start(call, submit)
+        m.waiting[seq_id] = (call, submit)
         while m.next_seq in m.waiting:
-            m.waiting.pop(m.next_seq)()
+            self._start(*m.waiting.pop(m.next_seq))
             m.next_seq += 1
         return call.request_id
 
