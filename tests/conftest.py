@@ -278,6 +278,10 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
         ("slow",),  # 15 update calls of the tiny model, 12 s
     "test_benchmarks::test_the_gpu_paths_runner_judges_a_path_and_prints_its_table":
         ("slow",),  # two `python -m workbench train` starts, 20 s
+    "test_benchmarks::test_the_service_overhead_benchmark_runs_one_loop_both_ways":
+        ("slow",),  # tiny-sft in-process, then behind the session server
+    "test_benchmarks::test_side_by_side_runs_each_backend_as_its_own_process_and_tables_the_ratio":
+        ("slow",),  # two benchmark processes, one starting a local Ray, 45 s
     "test_errors::test_steps_without_an_update_log_no_loss_and_say_why_once":
         ("slow",),  # a real 2-step run, 6 s
     "test_errors::test_a_cached_hub_id_loads_offline_and_without_the_hub": ("slow",),  # 5 s

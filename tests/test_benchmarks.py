@@ -85,6 +85,24 @@ def test_a_backend_or_lora_way_not_known_names_the_valid_ones(
     assert "--backend kuberay: choose from inprocess, ray" in capsys.readouterr().err
 
 
+def test_the_service_overhead_benchmark_runs_one_loop_both_ways(tmp_path: Path,
+                                                                 sft_model: str) -> None:
+    """benchmarks.service_overhead on the CPU: the same seeds and weights give the same
+    episodes in-process and through the server (the same losses, the same tokens)."""
+    pytest.importorskip("tinker")
+    from benchmarks import service_overhead
+
+    os.environ["TINKER_TELEMETRY"] = "0"
+    summary = service_overhead.bench(["--model", sft_model, "--steps", "1", "--warmup", "0",
+                                      "--turns", "2", "--workdir", str(tmp_path), "--out",
+                                      str(tmp_path / "service.json")], log=lambda _: None)
+    assert summary["same_losses"] is True
+    assert summary["inprocess"]["tokens"] == summary["server"]["tokens"] > 0
+    assert summary["overhead"] == pytest.approx(
+        summary["server"]["step_s"] / summary["inprocess"]["step_s"] - 1)
+    assert json.loads((tmp_path / "service.json").read_text())["P"] == 2
+
+
 def test_the_update_mfu_counts_four_flops_a_text_weight_a_token() -> None:
     """update_mfu's convention on the small shape with LoRA: per token 4 x the frozen text
     linear weights (every layer's q, k, v, o, gate, up, down, counted by hand), against the

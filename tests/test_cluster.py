@@ -158,6 +158,22 @@ def test_version_mismatch_names_both_versions() -> None:
     assert "2.60.0" in text and "ray==2.59.0" in text
 
 
+def test_a_connect_error_hints_at_auth_only_when_it_timed_out(monkeypatch) -> None:
+    """A Ray Client timeout without a token suggests the token; a client server that died
+    while starting (a start-up race on the head) says to connect again, not to fetch a token."""
+    monkeypatch.setattr(importlib.import_module("workbench.cluster.connect"), "token_available",
+                        lambda: False)
+    address = "ray://127.0.0.1:10001"
+    timeout = str(explain_connect_error(ConnectionError("ray client connection timeout"),
+                                        address))
+    assert "auth_token" in timeout and "connect again" not in timeout
+    died = str(explain_connect_error(ConnectionAbortedError(
+        "Initialization failure from server:\nRay Client server died while starting"), address))
+    assert "connect again" in died and "auth_token" not in died
+    other = str(explain_connect_error(OSError("connection refused"), address))
+    assert other == f"could not connect to Ray at {address}: OSError: connection refused."
+
+
 def test_job_overrides_make_paths_absolute_and_target_the_cluster(tmp_path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "model").mkdir()

@@ -97,10 +97,15 @@ def explain_connect_error(err: Exception, address: str) -> Exception:
             f"the Ray cluster at {address} asks for its auth token: copy the head node's "
             "~/.ray/auth_token here (or set RAY_AUTH_TOKEN) and set RAY_AUTH_MODE=token. "
             f"Ray said: {text.splitlines()[0] if text else type(err).__name__}")
-    hint = "" if token_available() else (
-        " Ray Client waits about 30 s and then times out when the cluster wants an auth token "
-        "and this process has none (Ray 2.60 turns token auth on by default): copy the head "
-        "node's ~/.ray/auth_token here or set RAY_AUTH_TOKEN.")
+    hint = ""
+    if "died while starting" in lowered or "startup failed" in lowered:
+        hint = (" The head's Ray Client server could not start the process that serves this "
+                "connection (it starts one a client, and that can fail when several clients "
+                "connect at once): connect again.")
+    elif ("timeout" in lowered or "timed out" in lowered) and not token_available():
+        hint = (" Ray Client waits about 30 s and then times out when the cluster wants an auth "
+                "token and this process has none (Ray 2.60 turns token auth on by default): "
+                "copy the head node's ~/.ray/auth_token here or set RAY_AUTH_TOKEN.")
     return ConnectionError(f"could not connect to Ray at {address}: {type(err).__name__}: "
                            f"{text.splitlines()[0] if text else ''}.{hint}")
 

@@ -1,0 +1,145 @@
+"""The session server's overhead per step: one loop, in-process and through the server.
+
+    python -m benchmarks.service_overhead                       # CPU: tiny-sft
+    python -m benchmarks.service_overhead --steps 3 --out runs/bench/service.json   # CUDA: 8B
+
+The loop is a multi-turn maze GRPO step written against the workbench's client methods: a
+sampling client of the current weights; every live episode's next reply sampled by a request
+of its own (`service.remote.RemoteEngine`: the first turn's G rows of a maze in one request of
+G samples), all of a turn's requests in flight together; rewards, group advantages,
+`forward_backward` (importance_sampling, summed) and `optim_step`. It runs first on a session
+opened in this process (the workbench's clients), then, after that session is closed, on the
+same spec behind `python -m workbench session-server` in this process, driven through
+`service.remote.connect_service` (the official tinker SDK, HTTP, protobuf, PNG images): the
+difference is the service's overhead. On CUDA the spec is seed_gpu on `qwen3-vl-8b-shape`
+(random bf16 weights, saved once for vLLM, `algorithm.advantage`-free: a random model earns
+one reward, so every datum gets advantage +-1 by episode index); on the CPU tiny-sft.
+Prints each step and a JSON summary (medians after --warmup steps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen3-vl-8b-shape" if cuda else "tiny-sft")
+    ap.add_argument("--mazes", type=int, default=8 if cuda else 2, help="P")
+    ap.add_argument("--group", type=int, default=8 if cuda else 4, help="G")
+    ap.add_argument("--turns", type=int, default=15 if cuda else 4)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3, help="timed steps")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--workdir", default="")
+    ap.add_argument("--out", default="")
+    return ap.parse_args(argv)
+
+
+def spec_of(args: argparse.Namespace, workdir: Path) -> tuple[Any, Any]:
+    """(SessionSpec, RunConfig): the device's preset at the asked shape."""
+    from workbench.config import PRESETS, apply_overrides
+    from workbench.model.presets import SHAPES, save_random
+    from workbench.opener import session_spec
+
+    cuda = torch.cuda.is_available()
+    model = args.model
+    if cuda and model in SHAPES:
+        model = save_random(model, workdir / "model", torch.bfloat16, "cuda")
+    config = apply_overrides(PRESETS["seed_gpu" if cuda else "tiny"], [
+        f"model.name={model}", f"trainer.train_batch_size={args.mazes}",
+        f"generator.n_samples_per_prompt={args.group}", f"generator.max_turns={args.turns}",
+        f"generator.max_tokens={args.max_tokens}", f"run_dir={workdir / 'run'}"])
+    return session_spec(config, workdir / "session"), config
+
+
+def step(tc: Any, config: Any, it: int, args: argparse.Namespace) -> dict[str, float]:
+    """One GRPO step of the loop -> its phase times."""
+    from workbench.model.loaded import LoadedModel
+    from workbench.policy import SamplingParams
+    from workbench.rl.rollout import play_episodes
+    from workbench.rl.schedule import step_mazes
+    from workbench.service.remote import RemoteEngine
+    from workbench.session import AdamParams, LossConfig, datum_from_stream
+
+    start = time.perf_counter()
+    sampler = tc.save_weights_and_get_sampling_client()
+    lm = LoadedModel(model=None, processor=tc.get_processor(), source="", path="")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=1.0)
+    sampled = time.perf_counter()
+    episodes = play_episodes(lm, RemoteEngine(sampler), config.task, step_mazes(config, it),
+                             args.group, params, it)
+    played = time.perf_counter()
+    flat = [ep for group in episodes for ep in group]
+    datums = [datum_from_stream(ep.stream, 1.0 if i % 2 == 0 else -1.0)
+              for i, ep in enumerate(flat)]
+    out = tc.forward_backward(datums, "importance_sampling", LossConfig(reduction="sum"))
+    tc.optim_step(AdamParams(learning_rate=1e-5)).result()
+    done = time.perf_counter()
+    return {"step_s": done - start, "sync_s": sampled - start, "rollout_s": played - sampled,
+            "update_s": done - played, "loss": out.result().loss,
+            "tokens": float(np.mean([len(ep.stream) for ep in flat]))}
+
+
+def run(tc: Any, config: Any, args: argparse.Namespace, log: Any, name: str
+        ) -> list[dict[str, float]]:
+    rows = []
+    for it in range(1, args.warmup + args.steps + 1):
+        rows.append(step(tc, config, it, args))
+        log(f"{name} step {it}: " + "  ".join(f"{k} {v:.3f}" for k, v in rows[-1].items()))
+    return rows[args.warmup:]
+
+
+def pytest_free_approx(values: list[float], reference: list[float]) -> list[float]:
+    """`values` where each is within 1e-5 (relative) of `reference`'s, else itself."""
+    return [r if abs(v - r) <= 1e-5 * max(abs(r), 1e-6) else v
+            for v, r in zip(values, reference)]
+
+
+def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
+    from workbench.opener import open_session
+    from workbench.service import ServiceSettings, start
+    from workbench.service.remote import connect_service
+
+    args = parse(argv)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="workbench-service-"))
+    spec, config = spec_of(args, workdir)
+    session = open_session(spec, log=log)
+    try:
+        inprocess = run(session.training_client, config, args, log, "in-process")
+    finally:
+        session.close()
+    server = start(spec, ServiceSettings(), log=log)
+    try:
+        remote = connect_service(server.url, "tml-bench", spec.model,  # the same first adapter
+                                 seed=spec.lora.init_seed if spec.lora else 0)
+        served = run(remote.training_client, config, args, log, "server")
+        remote.close()
+    finally:
+        server.stop()
+    med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+           for name, rows in (("inprocess", inprocess), ("server", served))}
+    summary = {"model": args.model, "P": args.mazes, "G": args.group, "turns": args.turns,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               **med, "overhead": med["server"]["step_s"] / med["inprocess"]["step_s"] - 1,
+               # the same seeds and weights: the same episodes, so the same losses
+               "same_losses": [r["loss"] for r in inprocess] == pytest_free_approx(
+                   [r["loss"] for r in served], [r["loss"] for r in inprocess])}
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+if __name__ == "__main__":
+    print(json.dumps(bench(), indent=1))
