@@ -213,6 +213,10 @@ def test_states_sampler_weights_and_the_base_round_trip(server: Any, local: Any)
         c.optim_step(types.AdamParams(learning_rate=1e-2)).result()
         steps.append(c.forward([datum], "ppo").result().metrics["loss:sum"])
     assert steps[0] == steps[1]
+    tc.load_state_with_optimizer(path).result()  # back into this client, in its call order
+    tc.forward_backward([datum], "ppo").result()
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    assert tc.forward([datum], "ppo").result().metrics["loss:sum"] == steps[0]
     prompt = model_input(stream, 40)
     params = types.SamplingParams(max_tokens=6, seed=11)
     live = tc.save_weights_and_get_sampling_client().result().sample(
