@@ -281,7 +281,7 @@ TEST_MARKERS: dict[str, tuple[str, ...]] = {
     "test_benchmarks::test_the_service_overhead_benchmark_runs_one_loop_both_ways":
         ("slow",),  # tiny-sft in-process, then behind the session server
     "test_benchmarks::test_side_by_side_runs_each_backend_as_its_own_process_and_tables_the_ratio":
-        ("slow",),  # two benchmark processes, one starting a local Ray, 45 s
+        ("ray", "slow"),  # two benchmark processes, one starting a local Ray, 45 s
     "test_errors::test_steps_without_an_update_log_no_loss_and_say_why_once":
         ("slow",),  # a real 2-step run, 6 s
     "test_errors::test_a_cached_hub_id_loads_offline_and_without_the_hub": ("slow",),  # 5 s
@@ -352,7 +352,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 RAY_UNIT = ("test_ray_local.py", "test_ray_remote.py", "test_serve.py",
             "test_notebooks.py::test_06_serve_on_local_ray",
             "test_notebooks.py::test_07_session_api_on_local_ray",
-            "test_service.py::test_the_server_runs_a_ray_session_with_two_users_as_in_process")
+            "test_service.py::test_the_server_runs_a_ray_session_with_two_users_as_in_process",
+            "test_benchmarks.py::test_side_by_side_runs_each_backend_as_its_own_process_and_"
+            "tables_the_ratio")
 
 
 def in_ray_unit(nodeid: str) -> bool:

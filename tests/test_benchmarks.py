@@ -47,9 +47,11 @@ def test_the_gpu_script_runs_the_products_step_on_the_cpu(tmp_path: Path) -> Non
 
 
 def test_side_by_side_runs_each_backend_as_its_own_process_and_tables_the_ratio(
-        tmp_path: Path) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """--backend inprocess,ray: two child runs of the same step (a real local Ray for the
     second), each summary kept, one table row each with its step over the in-process step."""
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # the children's Ray: no token in ~/.ray
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     lines: list[str] = []
     summary = gpu.bench([*SMALL, "--steps", "1", "--backend", "inprocess,ray", "--workdir",
                          str(tmp_path), "--out", str(tmp_path / "side.json")], log=lines.append)

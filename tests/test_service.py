@@ -379,11 +379,15 @@ def test_a_session_without_heartbeats_ends_and_past_the_queue_calls_get_429(
 
 
 def test_the_server_runs_a_ray_session_with_two_users_as_in_process(
-        sft_model: str, tmp_path: Path, ray_temp_dir: Path, server: Any) -> None:
+        sft_model: str, tmp_path: Path, ray_temp_dir: Path, server: Any,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """spec.cluster.address=local: the same calls on a trainer and a sampler actor; two users'
     steps give the losses the in-process server gives, a state saves and samples come back."""
+    from workbench.cluster import disconnect
     from workbench.session import ClusterSpec
 
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")  # no token written to ~/.ray
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
     ray_spec = spec(sft_model, tmp_path)
     ray_spec = SessionSpec(model=ray_spec.model, lora=LORA, workdir=ray_spec.workdir,
                            cluster=ClusterSpec(address="local", num_cpus=2,
@@ -413,3 +417,4 @@ def test_the_server_runs_a_ray_session_with_two_users_as_in_process(
         assert ray_run[4:] == here[4:]  # the same sampled tokens
     finally:
         on_ray.stop()
+        disconnect()
