@@ -69,6 +69,7 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
     from starlette.requests import Request
 
     s = service.settings
+    images = wire.ImageCache()  # each image a conversation sends again is read once
 
     @contextlib.asynccontextmanager
     async def lifespan(_: Any) -> Any:
@@ -227,7 +228,8 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
             where = f"data[{i}]"
             stream = wire.read_stream(wire.chunks_from_proto(d.model_input,
                                                              f"{where}.model_input"),
-                                      processor, fmt, s.max_image_pixels, f"{where}.model_input")
+                                      processor, fmt, s.max_image_pixels, f"{where}.model_input",
+                                      images)
             inputs = {k: wire.tensor_from_proto(t, f"{where}.loss_fn_inputs[{k!r}]")
                       for k, t in d.loss_fn_inputs.items()}
             datum, ok = wire.read_datum(stream, inputs, message.loss_fn, where)
@@ -330,7 +332,7 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
         params = sampling_params(field(body, "sampling_params", dict, {}))
         chunks = wire.chunks_from_json(field(field(body, "prompt", dict), "chunks", list))
         prompt = await run_in_threadpool(wire.read_stream, chunks, processor, fmt,
-                                         s.max_image_pixels, "prompt.chunks")
+                                         s.max_image_pixels, "prompt.chunks", images)
         if len(prompt) + params[0].max_tokens > max_context:
             raise ServiceError(f"the prompt's {len(prompt)} tokens and max_tokens "
                                f"{params[0].max_tokens} pass this server's context of "

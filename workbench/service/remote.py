@@ -82,6 +82,7 @@ class RemoteTrainingClient:
     def __init__(self, sdk_training: Any) -> None:
         self.sdk = sdk_training
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="workbench-remote")
+        self.pngs: dict[bytes, bytes] = {}  # each image of a conversation encoded once
         self._processor: Any = None
 
     def get_processor(self) -> Any:
@@ -106,7 +107,7 @@ class RemoteTrainingClient:
 
     def _forward(self, datums: list[Datum], loss_fn: str, cfg: LossConfig,
                  backward: bool) -> Future:
-        sdk_datums, config = sdk_datums_of(datums, loss_fn, cfg)
+        sdk_datums, config = sdk_datums_of(datums, loss_fn, cfg, self.pngs)
         call = self.sdk.forward_backward if backward else self.sdk.forward
         pending = call(sdk_datums, loss_fn, config)
         return self.pool.submit(lambda: output_of(pending.result()))
@@ -143,7 +144,7 @@ class RemoteSamplingClient:
 
     def sample(self, prompt: Stream, num_samples: int, sampling_params: SamplingParams,
                seed: int = 0) -> Future:
-        pending = self.sdk.sample(model_input(prompt), num_samples,
+        pending = self.sdk.sample(model_input(prompt, pngs=self.trainer.pngs), num_samples,
                                   sdk_params(sampling_params, seed))
         return self.trainer.pool.submit(lambda: SampleResponse(
             sequences=[completion(s) for s in pending.result().sequences]))
@@ -151,8 +152,9 @@ class RemoteSamplingClient:
     def compute_logprobs(self, prompt: Stream, temperature: float = 1.0) -> Future:
         from tinker import types
 
-        pending = self.sdk.sample(model_input(prompt), 1, types.SamplingParams(
-            max_tokens=1, temperature=temperature, seed=0), include_prompt_logprobs=True)
+        params = types.SamplingParams(max_tokens=1, temperature=temperature, seed=0)
+        pending = self.sdk.sample(model_input(prompt, pngs=self.trainer.pngs), 1, params,
+                                  include_prompt_logprobs=True)
         return self.trainer.pool.submit(
             lambda: [0.0] + [float(x) for x in pending.result().prompt_logprobs[1:]])
 
@@ -219,8 +221,8 @@ class RemoteEngine:
         return None
 
 
-def sdk_datums_of(datums: list[Datum], loss_fn: str, cfg: LossConfig
-                  ) -> tuple[list[Any], dict[str, float]]:
+def sdk_datums_of(datums: list[Datum], loss_fn: str, cfg: LossConfig,
+                  pngs: dict[bytes, bytes] | None = None) -> tuple[list[Any], dict[str, float]]:
     """Workbench datums as the SDK's, the reduction folded into each datum's advantages (or
     weights) -> (datums, loss_fn_config)."""
     from tinker import types
@@ -243,7 +245,8 @@ def sdk_datums_of(datums: list[Datum], loss_fn: str, cfg: LossConfig
                 np.asarray(s.logprobs_T[1:], dtype=np.float32))
             inputs["advantages"] = types.TensorData.from_numpy(
                 np.asarray(d.advantages_T[1:], dtype=np.float32) * weights * np.float32(scale))
-        out.append(types.Datum(model_input=model_input(s, len(s) - 1), loss_fn_inputs=inputs))
+        out.append(types.Datum(model_input=model_input(s, len(s) - 1, pngs),
+                               loss_fn_inputs=inputs))
     config = {"ppo": {"clip_low_threshold": 1.0 - cfg.clip_low,
                       "clip_high_threshold": 1.0 + cfg.clip_high},
               "cispo": {"clip_low_threshold": cfg.cispo_min,

@@ -10,6 +10,7 @@ Needs the `tinker` package (the `service` extra).
 
 from __future__ import annotations
 
+import hashlib
 import io
 from typing import Any
 
@@ -19,18 +20,31 @@ from workbench.policy import Stream
 from workbench.policy.sampler import Completion
 
 
-def png(image_HW3: np.ndarray) -> bytes:
-    """An RGB uint8 image as PNG bytes (lossless: the server reads the same pixels back)."""
+def png(image_HW3: np.ndarray, cache: dict[bytes, bytes] | None = None) -> bytes:
+    """An RGB uint8 image as PNG bytes (lossless: the server reads the same pixels back). With
+    `cache` (pixels' digest -> bytes) an image a conversation sends again is encoded once."""
     from PIL import Image
 
+    pixels = np.ascontiguousarray(image_HW3)
+    key = hashlib.sha1(pixels.data).digest() + str(pixels.shape).encode()
+    if cache is not None and key in cache:
+        return cache[key]
     out = io.BytesIO()
-    Image.fromarray(np.ascontiguousarray(image_HW3)).save(out, format="PNG")
+    Image.fromarray(pixels).save(out, format="PNG")
+    if cache is not None:
+        if len(cache) >= PNG_CACHE:
+            cache.clear()
+        cache[key] = out.getvalue()
     return out.getvalue()
 
 
-def model_input(stream: Stream, end: int | None = None) -> Any:
+PNG_CACHE = 4096  # images a cache keeps before it starts again
+
+
+def model_input(stream: Stream, end: int | None = None,
+                pngs: dict[bytes, bytes] | None = None) -> Any:
     """The stream's tokens [0, end) as a tinker ModelInput: text as token chunks, each image's
-    <|image_pad|> run as an image chunk of the RGB image it came from."""
+    <|image_pad|> run as an image chunk of the RGB image it came from (`pngs`: `png`'s cache)."""
     from tinker import types
 
     tokens, kinds = stream.tokens_T[:end], stream.mm_types_T[:end]
@@ -49,7 +63,8 @@ def model_input(stream: Stream, end: int | None = None) -> Any:
         pixels = stream.images[image].image_HW3
         if pixels is None:
             raise ValueError(f"image {image} of the stream keeps no RGB pixels to send")
-        chunks.append(types.ImageChunk(data=png(pixels), format="png", expected_tokens=run))
+        chunks.append(types.ImageChunk(data=png(pixels, pngs), format="png",
+                                       expected_tokens=run))
         image, t = image + 1, t + run
     if text:
         chunks.append(types.EncodedTextChunk(tokens=text))

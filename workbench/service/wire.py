@@ -23,8 +23,11 @@ expected: the server answers it with 400 before the call is queued.
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import math
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,9 +171,32 @@ def rgb_image(image: Image, max_pixels: int, where: str) -> np.ndarray:
                         f"({type(err).__name__})") from None
 
 
+class ImageCache:
+    """Images read before, by their bytes: a multi-turn client sends a conversation's earlier
+    images again with every turn, and each is read once (`size` kept, the oldest dropped)."""
+
+    def __init__(self, size: int = 4096) -> None:
+        self.size, self.images = size, OrderedDict[bytes, Any]()
+        self.lock = threading.Lock()  # requests are read on several threads
+
+    def get(self, image: Image, read: Any) -> Any:
+        key = hashlib.sha1(image.data).digest() + image.format.encode()
+        with self.lock:
+            if key in self.images:
+                self.images.move_to_end(key)
+                return self.images[key]
+        value = read()  # outside the lock: other requests' images are read meanwhile
+        with self.lock:
+            self.images[key] = value
+            if len(self.images) > self.size:
+                self.images.popitem(last=False)
+        return value
+
+
 def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, max_pixels: int,
-                where: str) -> Stream:
-    """The stream of a ModelInput: its tokens, each image as its <|image_pad|> run."""
+                where: str, cache: ImageCache | None = None) -> Stream:
+    """The stream of a ModelInput: its tokens, each image as its <|image_pad|> run (an image
+    in `cache` is not read again)."""
     tokens: list[int] = []
     types: list[int] = []
     images = []
@@ -179,7 +205,9 @@ def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, max_pixels
             tokens += chunk.tokens
             types += [0] * len(chunk.tokens)
             continue
-        vision = encode_image(processor, rgb_image(chunk, max_pixels, f"{where}[{i}]"))
+        def read(chunk: Image = chunk, i: int = i) -> Any:
+            return encode_image(processor, rgb_image(chunk, max_pixels, f"{where}[{i}]"))
+        vision = cache.get(chunk, read) if cache is not None else read()
         n = vision.n_patches // fmt.merge ** 2
         if chunk.expected_tokens is not None and chunk.expected_tokens != n:
             raise WireError(f"{where}[{i}]: expected_tokens is {chunk.expected_tokens}, but "
