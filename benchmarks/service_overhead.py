@@ -9,11 +9,11 @@ of its own (`service.remote.RemoteEngine`: the first turn's G rows of a maze in 
 G samples), all of a turn's requests in flight together; rewards, group advantages,
 `forward_backward` (importance_sampling, summed) and `optim_step`. It runs first on a session
 opened in this process (the workbench's clients), then, after that session is closed, on the
-same spec behind `python -m workbench session-server` in this process, driven through
-`service.remote.connect_service` (the official tinker SDK, HTTP, protobuf, PNG images): the
-difference is the service's overhead. On CUDA the spec is seed_gpu on `qwen3-vl-8b-shape`
-(random bf16 weights, saved once for vLLM, `algorithm.advantage`-free: a random model earns
-one reward, so every datum gets advantage +-1 by episode index); on the CPU tiny-sft.
+same spec behind `python -m workbench session-server` in a process of its own (as a service
+runs), driven through `service.remote.connect_service` (the official tinker SDK, HTTP,
+protobuf, PNG images): the difference is the service's overhead. On CUDA the spec is seed_gpu
+on `qwen3-vl-8b-shape` (random bf16 weights, saved once for vLLM); on the CPU tiny-sft. Every
+datum gets advantage +-1 by episode index (a random model earns one reward).
 Prints each step and a JSON summary (medians after --warmup steps).
 """
 
@@ -22,13 +22,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import torch
+
+from workbench.serve.deploy import free_port
+
+KEY = "tml-bench"
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,8 +53,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def spec_of(args: argparse.Namespace, workdir: Path) -> tuple[Any, Any]:
-    """(SessionSpec, RunConfig): the device's preset at the asked shape."""
+def spec_of(args: argparse.Namespace, workdir: Path) -> tuple[Any, Any, list[str]]:
+    """(SessionSpec, RunConfig, the command line's preset and overrides): the device's preset
+    at the asked shape."""
     from workbench.config import PRESETS, apply_overrides
     from workbench.model.presets import SHAPES, save_random
     from workbench.opener import session_spec
@@ -56,11 +64,31 @@ def spec_of(args: argparse.Namespace, workdir: Path) -> tuple[Any, Any]:
     model = args.model
     if cuda and model in SHAPES:
         model = save_random(model, workdir / "model", torch.bfloat16, "cuda")
-    config = apply_overrides(PRESETS["seed_gpu" if cuda else "tiny"], [
+    preset = "seed_gpu" if cuda else "tiny"
+    overrides = [
         f"model.name={model}", f"trainer.train_batch_size={args.mazes}",
         f"generator.n_samples_per_prompt={args.group}", f"generator.max_turns={args.turns}",
-        f"generator.max_tokens={args.max_tokens}", f"run_dir={workdir / 'run'}"])
-    return session_spec(config, workdir / "session"), config
+        f"generator.max_tokens={args.max_tokens}", f"run_dir={workdir / 'session'}"]
+    config = apply_overrides(PRESETS[preset], overrides)
+    return session_spec(config, workdir / "session"), config, ["--preset", preset, *overrides]
+
+
+def serve(command: list[str], workdir: Path, log: Any) -> tuple[subprocess.Popen, str]:
+    """`python -m workbench session-server` with the same spec, once it answers."""
+    port = free_port()
+    out = open(workdir / "server.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "workbench", "session-server", "--port",
+                             str(port), "--api-key", KEY, *command], stdout=out,
+                            stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    while proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", headers={"X-API-Key": KEY}).status_code == 200:
+                log(f"session server {url} (pid {proc.pid})")
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    raise RuntimeError(f"the session server exited: {(workdir / 'server.log').read_text()[-2000:]}")
 
 
 def step(tc: Any, config: Any, it: int, args: argparse.Namespace) -> dict[str, float]:
@@ -108,25 +136,25 @@ def pytest_free_approx(values: list[float], reference: list[float]) -> list[floa
 
 def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
     from workbench.opener import open_session
-    from workbench.service import ServiceSettings, start
     from workbench.service.remote import connect_service
 
     args = parse(argv)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="workbench-service-"))
-    spec, config = spec_of(args, workdir)
+    spec, config, command = spec_of(args, workdir)
     session = open_session(spec, log=log)
     try:
         inprocess = run(session.training_client, config, args, log, "in-process")
     finally:
         session.close()
-    server = start(spec, ServiceSettings(), log=log)
+    proc, url = serve(command, workdir, log)
     try:
-        remote = connect_service(server.url, "tml-bench", spec.model,  # the same first adapter
+        remote = connect_service(url, KEY, spec.model,  # the same first adapter
                                  seed=spec.lora.init_seed if spec.lora else 0)
         served = run(remote.training_client, config, args, log, "server")
         remote.close()
     finally:
-        server.stop()
+        proc.terminate()
+        proc.wait(timeout=60)
     med = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0]}
            for name, rows in (("inprocess", inprocess), ("server", served))}
     summary = {"model": args.model, "P": args.mazes, "G": args.group, "turns": args.turns,
