@@ -1200,3 +1200,14 @@ def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, t
         assert gaps["v0"] < 2e-2, "the older client no longer samples v0"
     finally:
         session.close()
+
+
+def test_vllm_missing_names_the_key_and_what_to_use_instead(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One install hint for the sampler and the endpoint, naming what asked for vLLM."""
+    from workbench.policy.vllm_engine import import_vllm
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
+    with pytest.raises(ImportError, match=r"engine.name=vllm needs the vllm package .* use "
+                                          r"engine.name=transformers\.$"):
+        import_vllm()

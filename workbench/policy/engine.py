@@ -152,6 +152,27 @@ class Engine(Protocol):
         ...
 
 
+DEFAULT_MAX_LEN = 16384
+"""The context an engine or endpoint serves when none is set (and the model's own is longer): an
+8B-shape episode (15 turns) holds about 2,500 tokens, and vLLM refuses to start unless one
+request of its max_model_len fits its KV share."""
+
+
+def model_max_len(config: Any) -> int:
+    """The model's context limit: its (text) config's max_position_embeddings."""
+    return int(getattr(config, "text_config", config).max_position_embeddings)
+
+
+def context_len(asked: int, model_len: int) -> int:
+    """The context served, in tokens (prompt + reply): `asked` (a max_model_len setting), else
+    the model's own up to DEFAULT_MAX_LEN; a ValueError above the model's own."""
+    length = asked or min(model_len, DEFAULT_MAX_LEN)
+    if length > model_len:
+        raise ValueError(f"max_model_len {length} is above the model's max_position_embeddings "
+                         f"{model_len}: use {model_len} or less (0: the model's own)")
+    return length
+
+
 def extends(prompt: Stream, last: Stream) -> bool:
     """Whether `prompt` is `last` with tokens appended (an engine's cached rows can go on)."""
     return len(prompt) >= len(last) and prompt.tokens_T[:len(last)] == last.tokens_T

@@ -58,7 +58,13 @@ from typing import Any
 import torch
 
 from workbench.deps import require
-from workbench.policy.engine import EngineSettings, StepRow, play_lockstep
+from workbench.policy.engine import (
+    EngineSettings,
+    StepRow,
+    context_len,
+    model_max_len,
+    play_lockstep,
+)
 from workbench.policy.graphs import warn_fallback
 from workbench.policy.sampler import Completion, SamplingParams
 from workbench.policy.stream import ChatFormat, Stream, VisionInput, chat_format
@@ -66,20 +72,22 @@ from workbench.policy.vllm_merged import WORKER_EXTENSION, MergedLoad, push_merg
 from workbench.policy.vllm_render import RowRequests
 
 INSTALL_HINT = (
-    "engine.name=vllm needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
+    "{what} needs the vllm package (GPU only, CUDA): pip install vllm==0.26.0 "
     "(or pip install 'workbench[gpu]'; it pins torch==2.11.0, the version tested). "
-    "On a CPU machine use engine.name=transformers."
+    "On a CPU machine use {instead}."
 )
 BAN_BIAS = -100.0  # vLLM clamps logit_bias to [-100, 100]: exp(-100) is zero for sampling
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # max_lora_rank values vLLM accepts
 
 
-def import_vllm() -> ModuleType:
-    """The vllm module, or ImportError naming the package and the config key."""
+def import_vllm(what: str = "engine.name=vllm", instead: str = "engine.name=transformers"
+                ) -> ModuleType:
+    """The vllm module, or an ImportError naming the package, what asked for it (a config key
+    or a serve setting) and what to use instead."""
     try:
         return require("vllm")
     except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
+        raise ImportError(INSTALL_HINT.format(what=what, instead=instead)) from err
 
 
 def prompt_token_ids(stream: Stream) -> list[int]:
@@ -214,30 +222,15 @@ LORA_DTYPES = ("bfloat16", "float16")
 """The dtypes vLLM's LoRA kernels take (they assert it at the first LoRA request)."""
 
 
-def model_max_len(config: Any) -> int:
-    """The model's context limit: its (text) config's max_position_embeddings."""
-    return int(getattr(config, "text_config", config).max_position_embeddings)
-
-
-DEFAULT_MAX_LEN = 16384
-"""vLLM's context when none is set: an 8B-shape episode (15 turns) holds about 2,500 tokens,
-and vLLM refuses to start unless one request of max_model_len fits its KV share."""
-
-
 def checked_max_len(settings: EngineSettings, dtype: str, model_len: int) -> int:
-    """vLLM's max_model_len for this model (settings.max_model_len; 0: the model's own, at most
-    DEFAULT_MAX_LEN), or a one-line error for settings vLLM would refuse (or a LoRA dtype its
-    kernels assert on)."""
+    """vLLM's max_model_len for this model (`policy.engine.context_len` of
+    settings.max_model_len), or a one-line error for settings vLLM would refuse (or a LoRA dtype
+    its kernels assert on)."""
     if dtype not in LORA_DTYPES:
         raise ValueError(f"engine.name=vllm samples LoRA adapters, and vLLM's LoRA kernels "
                          f"take {' or '.join(LORA_DTYPES)} only, not {dtype}: set "
                          "model.dtype=bfloat16")
-    length = settings.max_model_len or min(model_len, DEFAULT_MAX_LEN)
-    if length > model_len:
-        raise ValueError(f"vLLM max_model_len {length} is above the model's "
-                         f"max_position_embeddings {model_len}: use {model_len} or less (0: the "
-                         "model's own)")
-    return length
+    return context_len(settings.max_model_len, model_len)
 
 
 def check_memory_share(share: float, free_bytes: int, total_bytes: int) -> None:

@@ -48,8 +48,9 @@ def render(llm: Any, prompt: dict[str, Any]) -> dict[str, Any]:
     return engine_input
 
 
-def extends(last: Stream, stream: Stream) -> bool:
-    """`stream` is `last` with tokens (and images) appended."""
+def grown_from(stream: Stream, last: Stream) -> bool:
+    """`stream` is `last` with tokens (and images) appended, its images `last`'s own objects
+    (stricter than `policy.engine.extends`, which compares tokens only)."""
     n, k = len(last.tokens_T), len(last.images)
     return (len(stream.tokens_T) > n and stream.tokens_T[:n] == last.tokens_T
             and len(stream.images) >= k
@@ -121,7 +122,7 @@ class RowRequests:
         """Row `row`'s request for `stream`, kept as the row's last."""
         last = self.last.get(row)
         items = None
-        if self.by_turn and last is not None and extends(last[0], stream):
+        if self.by_turn and last is not None and grown_from(stream, last[0]):
             items = old_items(self.cache, last[1])
         if last is None or items is None:
             engine_input = render(self.llm, self.prompt_of(stream))

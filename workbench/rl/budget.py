@@ -22,20 +22,18 @@ from typing import Any
 
 from workbench.envs.env import budget_text
 from workbench.policy import Stream, chat_format, start_stream
-from workbench.policy.engine import EngineSettings
-from workbench.policy.vllm_engine import DEFAULT_MAX_LEN, model_max_len
+from workbench.policy.engine import EngineSettings, context_len, model_max_len
 from workbench.rl.rollout import ObserveCache, observe
 from workbench.rl.schedule import step_mazes
 
 
 def context_limit(settings: EngineSettings, model_config: Any) -> int:
-    """The context length the engine serves: vLLM's max_model_len as `checked_max_len` resolves
-    it (engine.max_model_len; 0: the model's own, at most DEFAULT_MAX_LEN), or the model's
-    max_position_embeddings for the transformers engine."""
+    """The context length the engine serves: vLLM's max_model_len (`policy.engine.context_len`
+    of engine.max_model_len), or the model's max_position_embeddings for the transformers
+    engine."""
     model_len = model_max_len(model_config)
-    if settings.name == "vllm":
-        return settings.max_model_len or min(model_len, DEFAULT_MAX_LEN)
-    return model_len
+    return context_len(settings.max_model_len, model_len) if settings.name == "vllm" \
+        else model_len
 
 
 def turn_budget(episode: Any, limit: int) -> list[dict[str, int]]:

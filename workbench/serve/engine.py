@@ -36,14 +36,13 @@ import torch
 from workbench import registry, storage
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
 from workbench.policy import ChatFormat, Completion, SamplingParams, Stream, chat_format, sample
+from workbench.policy.engine import context_len, model_max_len
 from workbench.policy.sampler import DeadlineExceeded
-from workbench.policy.vllm_engine import model_max_len
 from workbench.serve.chat import ChatRequest, completion_json, render_messages
 from workbench.serve.errors import RequestError, shown
 from workbench.serve.limits import (
     PromptLimits,
     TextBound,
-    context_len,
     held,
     text_bound,
     timeout_error,
@@ -117,7 +116,7 @@ class Engine:
     fmt: ChatFormat
     base_hash: str  # weights sha256 of the base (adapters trained on another base are refused)
     store: storage.Store | None  # where adapters are published (None: base only)
-    max_len: int  # the context served, in tokens: prompt + max_tokens (limits.context_len)
+    max_len: int  # the context served, in tokens: prompt + max_tokens (policy.engine.context_len)
     bound: TextBound | None  # tokens of a text before it is tokenized (limits.text_bound)
     # name -> peft name (transformers) or vLLM LoRARequest (vllm), least recently used first
     resident: OrderedDict[str, Any] = field(default_factory=OrderedDict)

@@ -27,22 +27,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from workbench.policy.vllm_engine import DEFAULT_MAX_LEN
 from workbench.serve.errors import RequestError
 
 RETRY_AFTER_S = 1  # what a refused request's Retry-After header says
 KEEPS_EVERY_CHAR = ("ByteLevel", "Metaspace", "Digits", "Punctuation", "Split")
 """Pre-tokenizers that split text without dropping characters (Split unless 'Removed')."""
-
-
-def context_len(asked: int, model_len: int) -> int:
-    """The context a replica serves: `asked` (ServeSettings.max_model_len), else the model's
-    own (max_position_embeddings) up to DEFAULT_MAX_LEN; a ValueError above the model's own."""
-    length = asked or min(model_len, DEFAULT_MAX_LEN)
-    if length > model_len:
-        raise ValueError(f"max_model_len {length} is above the model's max_position_embeddings "
-                         f"{model_len}: use {model_len} or less (0: the model's own)")
-    return length
 
 
 @dataclass(frozen=True)

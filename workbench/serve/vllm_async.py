@@ -41,15 +41,14 @@ from typing import Any
 import torch
 
 from workbench import registry, storage
-from workbench.deps import require
 from workbench.model import load_model, weights_hash
 from workbench.policy import SamplingParams, Stream, chat_format
-from workbench.policy.engine import EngineSettings
+from workbench.policy.engine import EngineSettings, model_max_len
 from workbench.policy.vllm_engine import (
     check_prompt,
     checked_max_len,
+    import_vllm,
     max_lora_rank,
-    model_max_len,
     row_seeds,
     sampling_params,
     to_completion,
@@ -69,10 +68,6 @@ from workbench.serve.engine import (
 from workbench.serve.errors import RequestError
 from workbench.serve.limits import held, remaining_s, text_bound, timeout_error
 
-INSTALL_HINT = (
-    "serve engine='vllm' needs the vllm package (GPU only, CUDA): pip install 'workbench[gpu]'. "
-    "On a CPU machine serve with engine='transformers'."
-)
 MIN_LORA_RANK = 8  # the engine's LoRA slots hold at least this rank (adapters published later)
 VLLM_DTYPE = "bfloat16"  # what vLLM runs the base in (its LoRA kernels: bf16 or fp16)
 
@@ -86,14 +81,6 @@ class VLLMBackend:
     lora_cls: Any  # vllm.lora.request.LoRARequest
     max_rank: int  # the engine's max_lora_rank: an adapter of a larger rank is refused
     lora_ids: dict[tuple[str, str], int] = field(default_factory=dict)  # (name, upload) -> id
-
-
-def import_vllm() -> ModuleType:
-    """The vllm module, or an ImportError that says what to install (or use instead)."""
-    try:
-        return require("vllm")
-    except ImportError as err:
-        raise ImportError(INSTALL_HINT) from err
 
 
 def published_rank(store: storage.Store | None) -> int:
@@ -132,7 +119,7 @@ def open_vllm_engine(settings: ServeSettings) -> Engine:
     """Hash the base on the CPU (then drop its weights), and start vLLM's async engine on it."""
     from workbench.model.presets import SHAPES
 
-    vllm = import_vllm()
+    vllm = import_vllm("serve engine='vllm'", "serve with engine='transformers'")
     if settings.model in SHAPES:
         raise ValueError(f"engine='vllm' loads the base from a checkpoint folder, and "
                          f"{settings.model!r} is a shape built in memory: save it first "
