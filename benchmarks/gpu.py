@@ -567,7 +567,10 @@ SIDE_COLUMNS = ("step_s", "rollout_s", "update_s", "weight_sync_s", "kl_sampler_
 def side_by_side(args: argparse.Namespace, argv: list[str], log: Any) -> dict[str, Any]:
     """Each --backend for each --lora way as its own `python -m benchmarks.gpu` process, one
     after another, with the other arguments as given -> {"runs": {"backend/lora": summary},
-    "table": markdown}; a run that failed keeps its exit status and the first error line."""
+    "table": markdown}; a run that failed keeps its exit status and the first error line
+    (`gpu_paths.first_error`, as `make test-gpu` tells a failed path)."""
+    from benchmarks import gpu_paths
+
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="workbench-side-"))
     rest = without(argv, ("--backend", "--lora", "--workdir", "--out"))
     runs: dict[str, Any] = {}
@@ -583,7 +586,8 @@ def side_by_side(args: argparse.Namespace, argv: list[str], log: Any) -> dict[st
                                   capture_output=True, text=True)
             stem.with_suffix(".log").write_text(done.stdout + done.stderr)
             runs[name] = json.loads(out.read_text()) if done.returncode == 0 else {
-                "returncode": done.returncode, "error": first_error(done.stdout + done.stderr)}
+                "returncode": done.returncode,
+                "error": gpu_paths.first_error(done.stdout + done.stderr)}
             log(f"side by side: {name}: " + (f"step {runs[name]['step_s']:.2f} s"
                                              if "step_s" in runs[name] else runs[name]["error"]))
     summary = {"machine": machine(args), "runs": runs, "table": side_table(runs)}
@@ -603,13 +607,6 @@ def without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
         elif not arg.startswith(tuple(f + "=" for f in flags)):
             out.append(arg)
     return out
-
-
-def first_error(text: str) -> str:
-    """The last line that names an error (the exception a traceback ends with), or the last."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    named = [ln for ln in lines if "Error" in ln or "error:" in ln]
-    return (named or lines or ["(no output)"])[-1][:200]
 
 
 def side_table(runs: dict[str, Any]) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -128,12 +129,6 @@ def run(tc: Any, config: Any, args: argparse.Namespace, log: Any, name: str
     return rows[args.warmup:]
 
 
-def pytest_free_approx(values: list[float], reference: list[float]) -> list[float]:
-    """`values` where each is within 1e-5 (relative) of `reference`'s, else itself."""
-    return [r if abs(v - r) <= 1e-5 * max(abs(r), 1e-6) else v
-            for v, r in zip(values, reference)]
-
-
 def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
     from workbench.opener import open_session
     from workbench.service.remote import connect_service
@@ -161,8 +156,8 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                **med, "overhead": med["server"]["step_s"] / med["inprocess"]["step_s"] - 1,
                # the same seeds and weights: the same episodes, so the same losses
-               "same_losses": [r["loss"] for r in inprocess] == pytest_free_approx(
-                   [r["loss"] for r in served], [r["loss"] for r in inprocess])}
+               "same_losses": all(math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-6)
+                                  for a, b in zip(inprocess, served))}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(summary, indent=1))

@@ -71,7 +71,7 @@ def test_side_by_side_keeps_a_failed_runs_first_error_line() -> None:
                        ("--backend", "--out")) == ["--steps", "2", "k=v"]
     table = gpu.side_table({
         "inprocess/merged": {"step_s": 2.0, "rollout_s": 1.0, "update_s": 1.0},
-        "ray/merged": {"returncode": 1, "error": gpu.first_error(
+        "ray/merged": {"returncode": 1, "error": gpu_paths.first_error(
             "Traceback\n  File x\nRuntimeError: no | GPU\n")},
         "inprocess/adapter": {"step_s": 4.0}, "ray/adapter": {"step_s": 4.4}})
     rows = table.splitlines()[2:]

@@ -23,6 +23,7 @@ import pytest
 pytest.importorskip("tinker", reason="needs the service extra")
 
 from workbench.model import LoraSettings  # noqa: E402
+from workbench.serve.engine import key_hash  # noqa: E402
 from workbench.service import ServiceSettings, start  # noqa: E402
 from workbench.session import SessionSpec  # noqa: E402
 
@@ -48,15 +49,9 @@ def server(tiny_sft_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
     # rank 32: the recipe's default lora_rank
     running = start(SessionSpec(model=str(tiny_sft_dir), lora=LoraSettings(rank=32),
                                 workdir=str(tmp_path_factory.mktemp("cookbook-service"))),
-                    ServiceSettings(api_key_sha256=_sha(KEY)), log=lambda _: None)
+                    ServiceSettings(api_key_sha256=key_hash(KEY)), log=lambda _: None)
     yield running
     running.stop()
-
-
-def _sha(key: str) -> str:
-    from workbench.serve.engine import key_hash
-
-    return key_hash(key)
 
 
 def test_the_cookbooks_math_rl_recipe_trains_through_the_server(

@@ -27,6 +27,7 @@ from workbench.model import LoraSettings  # noqa: E402
 from workbench.policy import SamplingParams, append_reply, chat_format, start_stream  # noqa: E402
 from workbench.rl.rollout import Episode, observe, record_step  # noqa: E402
 from workbench.rl.schedule import step_mazes  # noqa: E402
+from workbench.serve.engine import key_hash  # noqa: E402
 from workbench.service import ServiceSettings, start  # noqa: E402
 from workbench.service.sdk import completion, model_input, rl_datum  # noqa: E402
 from workbench.session import (  # noqa: E402
@@ -49,7 +50,7 @@ def spec(model: str, folder: Path) -> SessionSpec:
 @pytest.fixture(scope="module")
 def server(sft_model: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
     running = start(spec(sft_model, tmp_path_factory.mktemp("service")),
-                    ServiceSettings(api_key_sha256=_sha(KEY), poll_s=5), log=lambda _: None)
+                    ServiceSettings(api_key_sha256=key_hash(KEY), poll_s=5), log=lambda _: None)
     yield running
     running.stop()
 
@@ -68,12 +69,6 @@ def fresh(local: Any) -> Any:
     """The local session's training client, back at its first weights and optimiser."""
     local.training_client.load_state(local.initial).result()
     return local.training_client
-
-
-def _sha(key: str) -> str:
-    from workbench.serve.engine import key_hash
-
-    return key_hash(key)
 
 
 def sdk(server: Any) -> Any:
@@ -347,7 +342,7 @@ def test_usage_counts_the_tokens_of_each_call_and_is_written_to_the_run_folder(
 def strict(sft_model: str, tmp_path: Path) -> Iterator[Any]:
     """A server with a 1 s heartbeat limit and a queue of 2."""
     running = start(spec(sft_model, tmp_path), ServiceSettings(
-        api_key_sha256=_sha(KEY), session_timeout_s=1.0, max_queue=2, poll_s=1),
+        api_key_sha256=key_hash(KEY), session_timeout_s=1.0, max_queue=2, poll_s=1),
         log=lambda _: None)
     yield running
     running.stop()
@@ -392,7 +387,7 @@ def test_the_server_runs_a_ray_session_with_two_users_as_in_process(
     ray_spec = SessionSpec(model=ray_spec.model, lora=LORA, workdir=ray_spec.workdir,
                            cluster=ClusterSpec(address="local", num_cpus=2,
                                                temp_dir=str(ray_temp_dir)))
-    on_ray = start(ray_spec, ServiceSettings(api_key_sha256=_sha(KEY), poll_s=5),
+    on_ray = start(ray_spec, ServiceSettings(api_key_sha256=key_hash(KEY), poll_s=5),
                    log=lambda _: None)
     ids = [1, 2, 3, 4, 5, 6, 7, 8]
     datum = types.Datum(model_input=types.ModelInput.from_ints(ids[:-1]), loss_fn_inputs={

@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys, preset
 from workbench.estimate import EstimateError
@@ -142,10 +144,23 @@ def _adapters(args: argparse.Namespace) -> None:
     print("\n".join(e.row() for e in entries) or f"no adapters in {store.root}")
 
 
-def _serve(args: argparse.Namespace) -> None:
+def _until_stopped(stop: Callable[[], None]) -> None:
+    """Wait for SIGTERM or Ctrl-C, then stop(): a server's command line after it started (the
+    handler set after ray.init, which sets its own)."""
     import signal
     import time
 
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop()
+
+
+def _serve(args: argparse.Namespace) -> None:
     from workbench.serve.deploy import shutdown, start
     from workbench.serve.engine import key_hash
 
@@ -158,20 +173,11 @@ def _serve(args: argparse.Namespace) -> None:
         gpu_memory_utilization=args.gpu_memory_utilization, **{
             name: getattr(args, name) for name in LIMITS})
     endpoint = start(settings, args.address, args.num_cpus, args.temp_dir)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # after ray.init, which sets its own
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        shutdown(endpoint, disconnect=True)  # in this process: its server (and vLLM); else Serve
+    # in this process: its server (and vLLM); else Serve
+    _until_stopped(lambda: shutdown(endpoint, disconnect=True))
 
 
 def _session_server(args: argparse.Namespace) -> None:
-    import signal
-    import time
-
     from workbench.opener import session_spec
     from workbench.serve.engine import key_hash
     from workbench.service import ServiceSettings, start
@@ -182,14 +188,7 @@ def _session_server(args: argparse.Namespace) -> None:
     settings = ServiceSettings(api_key_sha256=key_hash(args.api_key), **{
         name: getattr(args, name) for name in SERVICE_LIMITS})
     server = start(session_spec(config, config.run_dir), settings, args.host, args.port)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    _until_stopped(server.stop)
 
 
 SERVICE_LIMITS = {  # ServiceSettings field -> (type, help) of `session-server --max-queue` etc.
@@ -214,9 +213,10 @@ LIMITS = {  # ServeSettings field -> (type, help) of `serve --max-queue` etc. (s
 }
 
 
-def _limit_options(s: argparse.ArgumentParser) -> None:
-    defaults = ServeSettings()
-    for name, (kind, text) in LIMITS.items():
+def _limit_options(s: argparse.ArgumentParser, limits: dict[str, tuple[type, str]],
+                   defaults: Any) -> None:
+    """One `--name` option a limit (`--max-queue` ...), its default the settings record's."""
+    for name, (kind, text) in limits.items():
         default = getattr(defaults, name)
         s.add_argument("--" + name.replace("_", "-"), type=kind, default=default,
                        help=f"{text} (default: {default})")
@@ -268,7 +268,7 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dtype", default="float32", help="transformers: the weights dtype; vllm: "
                    "the dtype the adapters were trained in (the base is hashed in it; vLLM runs "
                    "bfloat16)")
-    _limit_options(s)
+    _limit_options(s, LIMITS, ServeSettings())
     s.set_defaults(func=_serve)
     ss = sub.add_parser("session-server", help="training sessions over HTTP for the tinker SDK "
                         "(docs/service.md): one session spec, many users, a LoRA each")
@@ -279,10 +279,7 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
                     help="require 'X-API-Key: KEY' (tml-...; default: $WORKBENCH_SESSION_KEY)")
     from workbench.service.service import ServiceSettings
 
-    defaults = ServiceSettings()
-    for name, (kind, text) in SERVICE_LIMITS.items():
-        ss.add_argument("--" + name.replace("_", "-"), type=kind, default=getattr(defaults, name),
-                        help=f"{text} (default: {getattr(defaults, name)})")
+    _limit_options(ss, SERVICE_LIMITS, ServiceSettings())
     ss.set_defaults(func=_session_server)
 
 

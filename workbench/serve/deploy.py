@@ -109,30 +109,43 @@ def serve(model: str = "tiny", adapters: str = "", replicas: int = 1, port: int 
     return start(config, address, log=log)
 
 
-def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print) -> Endpoint:
-    """The same app on a uvicorn thread of this process, no Ray; returns once it listens."""
-    if settings.num_replicas != 1:
-        raise ValueError(f"{settings.num_replicas} replicas need Ray: pass address='local' "
-                         "(or a cluster); in this process there is one")
+def uvicorn_thread(app: Any, host: str, port: int, name: str, on_failure: Callable[[], None],
+                   **config: Any) -> Callable[[], None]:
+    """`app` served by uvicorn on a daemon thread of this process, once it listens -> a function
+    that stops it; a server that does not start (a taken port) runs `on_failure` and raises."""
     uvicorn = require("uvicorn")
-    from workbench.serve.app import build_app
-    from workbench.serve.replica import open_engine
-
-    engine = open_engine(settings)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine), host=settings.host,
-                                           port=settings.port, log_level="warning"))
-    thread = threading.Thread(target=server.run, name="workbench-serve", daemon=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                           **config))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
     thread.start()
     while not server.started:  # uvicorn sets it once the socket listens
         if not thread.is_alive():
-            close_engine(engine)
-            raise RuntimeError(f"the server did not start on {settings.host}:{settings.port} "
+            on_failure()
+            raise RuntimeError(f"the server did not start on {host}:{port} "
                                "(is the port taken?)")
         thread.join(0.05)
 
     def stop() -> None:
         server.should_exit = True
         thread.join()
+    return stop
+
+
+def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print) -> Endpoint:
+    """The same app on a uvicorn thread of this process, no Ray; returns once it listens."""
+    if settings.num_replicas != 1:
+        raise ValueError(f"{settings.num_replicas} replicas need Ray: pass address='local' "
+                         "(or a cluster); in this process there is one")
+    require("uvicorn")
+    from workbench.serve.app import build_app
+    from workbench.serve.replica import open_engine
+
+    engine = open_engine(settings)
+    stop_server = uvicorn_thread(build_app(engine), settings.host, settings.port,
+                                 "workbench-serve", lambda: close_engine(engine))
+
+    def stop() -> None:
+        stop_server()
         close_engine(engine)
 
     endpoint = Endpoint(f"http://{settings.host}:{settings.port}/v1", settings.base_id, 1, stop)

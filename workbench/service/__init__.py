@@ -13,7 +13,6 @@ for several users at once, each with a LoRA of their own over the one base (docs
 from __future__ import annotations
 
 import operator
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +39,11 @@ def start(spec: SessionSpec, settings: ServiceSettings = ServiceSettings(),
           host: str = "127.0.0.1", port: int = 0, log: Callable[[str], Any] = print) -> Server:
     """Open `spec`'s session (in-process, or on Ray by spec.cluster) and serve it on a uvicorn
     thread of this process; returns once it listens (port 0: a free port)."""
-    uvicorn = require("uvicorn")
+    require("uvicorn")
     require("tinker")  # its protobuf schema reads the SDK's forward_backward bodies
     from workbench.opener import open_session
     from workbench.policy import chat_format
-    from workbench.serve.deploy import free_port
+    from workbench.serve.deploy import free_port, uvicorn_thread
     from workbench.service.app import build_app
 
     if spec.lora is None:
@@ -63,20 +62,11 @@ def start(spec: SessionSpec, settings: ServiceSettings = ServiceSettings(),
     app = build_app(service, processor, chat_format(processor), tokenizer_dir,
                     settings.max_context or min(int(model_len), 32768))
     port = port or free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, name="workbench-session-server", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            service.close()
-            raise RuntimeError(f"the session server did not start on {host}:{port} "
-                               "(is the port taken?)")
-        thread.join(0.05)
+    stop_server = uvicorn_thread(app, host, port, "workbench-session-server", service.close,
+                                 timeout_graceful_shutdown=5)
 
     def stop() -> None:
-        server.should_exit = True
-        thread.join()
+        stop_server()
         service.close()
 
     log(f"session server on http://{host}:{port} serving {spec.model} "

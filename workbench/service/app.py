@@ -98,10 +98,6 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
                          "(the SDK's api_key, or TINKER_API_KEY)", 401)
         return await call_next(request)
 
-    @app.exception_handler(ServiceError)
-    async def service_error(_: Any, err: ServiceError) -> Any:
-        return error(str(err), err.status, err.headers)
-
     @app.exception_handler(wire.WireError)
     async def wire_error(_: Any, err: wire.WireError) -> Any:
         return error(str(err), 400)

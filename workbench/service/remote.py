@@ -24,14 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from workbench.model.loaded import LoadedModel
 from workbench.policy import SamplingParams, Stream
 from workbench.policy.engine import play_lockstep
 from workbench.policy.sampler import Completion
-from workbench.service.sdk import completion, model_input
+from workbench.service.sdk import completion, model_input, sdk_datum
 from workbench.session.losses import REDUCTION_SCALES, LossConfig
 from workbench.session.types import (
     AdamParams,
@@ -225,28 +224,12 @@ def sdk_datums_of(datums: list[Datum], loss_fn: str, cfg: LossConfig,
                   pngs: dict[bytes, bytes] | None = None) -> tuple[list[Any], dict[str, float]]:
     """Workbench datums as the SDK's, the reduction folded into each datum's advantages (or
     weights) -> (datums, loss_fn_config)."""
-    from tinker import types
-
     if cfg.tis_cap or cfg.temperature != 1.0:
         raise ValueError("a session server takes neither tis_cap nor a trainer temperature "
                          "other than 1: the tinker losses have no such knobs")
     tokens_B = [sum(1 for w in d.weights_T if w != 0) for d in datums]
     scales_B = REDUCTION_SCALES[cfg.reduction](tokens_B)
-    out = []
-    for d, scale in zip(datums, scales_B):
-        s = d.stream
-        weights = np.asarray(d.weights_T[1:], dtype=np.float32)
-        inputs = {"target_tokens": types.TensorData.from_numpy(
-            np.asarray(s.tokens_T[1:], dtype=np.int64))}
-        if loss_fn == "cross_entropy":
-            inputs["weights"] = types.TensorData.from_numpy(weights * np.float32(scale))
-        else:
-            inputs["logprobs"] = types.TensorData.from_numpy(
-                np.asarray(s.logprobs_T[1:], dtype=np.float32))
-            inputs["advantages"] = types.TensorData.from_numpy(
-                np.asarray(d.advantages_T[1:], dtype=np.float32) * weights * np.float32(scale))
-        out.append(types.Datum(model_input=model_input(s, len(s) - 1, pngs),
-                               loss_fn_inputs=inputs))
+    out = [sdk_datum(d, loss_fn, scale, pngs) for d, scale in zip(datums, scales_B)]
     config = {"ppo": {"clip_low_threshold": 1.0 - cfg.clip_low,
                       "clip_high_threshold": 1.0 + cfg.clip_high},
               "cispo": {"clip_low_threshold": cfg.cispo_min,

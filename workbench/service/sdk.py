@@ -18,6 +18,7 @@ import numpy as np
 
 from workbench.policy import Stream
 from workbench.policy.sampler import Completion
+from workbench.session.types import Datum, datum_from_stream
 
 
 def png(image_HW3: np.ndarray, cache: dict[bytes, bytes] | None = None) -> bytes:
@@ -71,19 +72,32 @@ def model_input(stream: Stream, end: int | None = None,
     return types.ModelInput(chunks=chunks)
 
 
-def rl_datum(stream: Stream, advantage: float) -> Any:
-    """A tinker Datum for importance_sampling / ppo / cispo: the stream's tokens but the last
-    as model_input, the next tokens as targets, the sampler's log-probs, and `advantage` on
-    every sampled token (0 elsewhere: tinker's advantages carry the mask)."""
+def sdk_datum(datum: Datum, loss_fn: str, scale: float = 1.0,
+              pngs: dict[bytes, bytes] | None = None) -> Any:
+    """A workbench datum as a tinker Datum for `loss_fn`: the stream's tokens but the last as
+    model_input, the next tokens as targets; cross_entropy: its weights; importance_sampling,
+    ppo, cispo: the sampler's log-probs and its advantages times its weights (tinker's
+    advantages carry the mask); either times `scale` (a reduction's share, `service.remote`)."""
     from tinker import types
 
-    mask = np.asarray(stream.loss_mask_T[1:], dtype=np.float32)
-    return types.Datum(model_input=model_input(stream, len(stream) - 1), loss_fn_inputs={
-        "target_tokens": types.TensorData.from_numpy(np.asarray(stream.tokens_T[1:],
-                                                                dtype=np.int64)),
-        "logprobs": types.TensorData.from_numpy(
-            np.asarray(stream.logprobs_T[1:], dtype=np.float32) * mask),
-        "advantages": types.TensorData.from_numpy(mask * np.float32(advantage))})
+    s = datum.stream
+    weights = np.asarray(datum.weights_T[1:], dtype=np.float32)
+    inputs = {"target_tokens": types.TensorData.from_numpy(
+        np.asarray(s.tokens_T[1:], dtype=np.int64))}
+    if loss_fn == "cross_entropy":
+        inputs["weights"] = types.TensorData.from_numpy(weights * np.float32(scale))
+    else:
+        inputs["logprobs"] = types.TensorData.from_numpy(
+            np.asarray(s.logprobs_T[1:], dtype=np.float32) * (weights != 0))
+        inputs["advantages"] = types.TensorData.from_numpy(
+            np.asarray(datum.advantages_T[1:], dtype=np.float32) * weights * np.float32(scale))
+    return types.Datum(model_input=model_input(s, len(s) - 1, pngs), loss_fn_inputs=inputs)
+
+
+def rl_datum(stream: Stream, advantage: float) -> Any:
+    """A tinker Datum for importance_sampling / ppo / cispo: `advantage` on every sampled token
+    of the stream (`sdk_datum` of `datum_from_stream`)."""
+    return sdk_datum(datum_from_stream(stream, advantage), "importance_sampling")
 
 
 def completion(sequence: Any) -> Completion:

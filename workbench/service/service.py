@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.policy import SamplingParams, Stream
+from workbench.serve.errors import RequestError
 from workbench.session import checkpoint, host
 from workbench.session.protocols import SessionLike
 from workbench.session.tenants import Tenant, call_as, drop_tenant, forward_as
@@ -49,12 +50,12 @@ TINKER_PATH = re.compile(r"tinker://(?P<model>[^/]+)/(?P<kind>weights|sampler_we
                          r"(?P<name>[^/]+)")
 
 
-class ServiceError(ValueError):
-    """A request refused before it is queued: `status` is the HTTP status it gets."""
+class ServiceError(RequestError):
+    """A request refused before it is queued: the endpoint's RequestError (`status` is the HTTP
+    status it gets), positional as this server raises it."""
 
     def __init__(self, message: str, status: int = 400, headers: dict | None = None) -> None:
-        super().__init__(message)
-        self.status, self.headers = status, headers or {}
+        super().__init__(message, status=status, headers=headers)
 
 
 @dataclass(frozen=True)
@@ -132,6 +133,7 @@ class Service:
         self.executor: Any = session  # the clients' Executor (both backends are one)
         self.base_model, self.aliases = base_model, (base_model, *aliases)
         self.workdir = Path(session.workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)  # usage.jsonl goes here
         self.clients: dict[str, Client] = {}
         self.models: dict[str, Model] = {}
         self.calls: dict[str, Call] = {}
@@ -446,7 +448,6 @@ class Service:
     def _record(self, session_id: str, event: str, usage: Usage, extra: dict) -> None:
         line = {"time": time.time(), "session_id": session_id, "event": event,
                 **asdict(usage), **extra}
-        self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.workdir / "usage.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
 
