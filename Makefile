@@ -44,7 +44,7 @@ test-fast: setup lint typecheck
 
 # Every GPU path in one command (benchmarks/gpu_paths.py): each sampler mode on each executor
 # (in-process, Ray started by the run, a driver over ray://), seed_gpu at the 8B shape in-process
-# and on Ray, and `pytest -m gpu`; one table, in a 560 s budget on one H200. Runs on a CUDA
+# and on Ray, and `pytest -m gpu`; one table, in a 575 s budget on one H200. Runs on a CUDA
 # machine whose python3 has vllm and ray (pip install '.[gpu,ray]'); not part of `make test`.
 test-gpu:
 	python3 -m benchmarks.gpu_paths --out runs/test-gpu

@@ -1,4 +1,4 @@
-"""Every GPU path in one command: `make test-gpu` (one call, a 560 s budget on one H200).
+"""Every GPU path in one command: `make test-gpu` (one call, a 575 s budget on one H200).
 
     make test-gpu                                     # CUDA, vllm and ray importable
     python -m benchmarks.gpu_paths --list             # the paths, without running them
@@ -17,9 +17,10 @@ after it.
     five GPUs over the one card, with Ray's CUDA_VISIBLE_DEVICES left alone, so the client
     paths of different modes run side by side.
 - The seed_gpu preset at the 8B shape (random weights, `algorithm.advantage=parity`, full
-  15-turn episodes): on Ray (one trainer, one vLLM engine, colocated on the GPU) for three steps
-  (checkpoint at step 2) and an evaluation; then in-process, resumed from that step-2
-  checkpoint, for three more (steps 3-5) and an evaluation.
+  15-turn episodes): on Ray (one trainer, one vLLM engine, colocated on the GPU) for two steps,
+  a checkpoint and an evaluation; then in-process, resumed from that step-2 checkpoint, for two
+  more (steps 3-4) and an evaluation. Each start's first step pays the compilations, so each
+  8B row times one step (2 on Ray, 4 in-process).
 - The CUDA-only tests: `pytest -m gpu`.
 
 A random model earns the same reward in every episode, so every path trains with
@@ -137,17 +138,17 @@ def tiny_paths(run_root: Path, device: str = "cuda") -> list[Path_]:
 
 
 def seed_paths(run_root: Path, model: Path) -> list[Path_]:
-    """seed_gpu at the 8B shape: on Ray steps 1-3, then in-process resumed from step 2 to 5."""
+    """seed_gpu at the 8B shape: on Ray steps 1-2, then in-process resumed from step 2 to 4."""
     run_dir = run_root / "seed_gpu-8b"
     args = ["--preset", "seed_gpu", f"model.name={model}", *SEED_8B, f"run_dir={run_dir}",
             "trainer.ckpt_interval=2"]
     return [Path_("ray/seed_gpu-8b", "8b", run_dir, [
                 [*args, "cluster.address=local", "cluster.temp_dir=/tmp/wb-ray-8b",
-                 "trainer.total_steps=3", "trainer.resume_mode=none", "trainer.overwrite=true"]],
-                steps=[1, 2, 3], timed=[2, 3]),
+                 "trainer.total_steps=2", "trainer.resume_mode=none", "trainer.overwrite=true"]],
+                steps=[1, 2], timed=[2]),
             Path_("inprocess/seed_gpu-8b", "8b", run_dir, [
-                [*args, "cluster.address=", "trainer.total_steps=5",
-                 "trainer.resume_mode=latest"]], steps=[3, 4, 5], timed=[4, 5])]
+                [*args, "cluster.address=", "trainer.total_steps=4",
+                 "trainer.resume_mode=latest"]], steps=[3, 4], timed=[4])]
 
 
 # ------------------------------------------------------------------------- judging a path
@@ -330,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="", help="folder for the runs, logs and results "
                     "(default: a temp folder)")
-    ap.add_argument("--budget", type=float, default=560.0, help="seconds for the whole command")
+    ap.add_argument("--budget", type=float, default=575.0, help="seconds for the whole command")
     ap.add_argument("--only", nargs="*", default=[], help="paths to run (names as --list)")
     ap.add_argument("--no-pytest", action="store_true", help="leave out pytest -m gpu")
     ap.add_argument("--no-8b", action="store_true", help="leave out the 8B shape's paths")

@@ -306,7 +306,8 @@ def create_ray_session(spec: SessionSpec) -> RaySession:
     # A vLLM engine handed its versions by its trainer holds no copy of the model. Our engine
     # on a GPU starts once the trainers have their models, so that its size check
     # (workers.check_sampler_memory) sees what they leave; vLLM checks its own share.
-    weights = handoff_kind(spec) not in ("merged", "adapter")
+    handoff = handoff_kind(spec)
+    weights = handoff not in ("merged", "adapter")
     engines: list = []
     try:
         if spec.engine.name == "transformers" and spec.device.startswith("cuda"):
@@ -322,8 +323,7 @@ def create_ray_session(spec: SessionSpec) -> RaySession:
             "backend": {"kind": "ray", "num_workers": c.num_workers,
                         "num_engines": c.num_engines, "colocate_all": c.colocate_all,
                         "strategy": c.strategy,
-                        "weight_sync": handoff_kind(spec) and "colocated:" + handoff_kind(spec)
-                        or "object_store"}}
+                        "weight_sync": f"colocated:{handoff}" if handoff else "object_store"}}
         ray.get([e.pid.remote() for e in engines])  # engines loaded (or their error raised)
     except BaseException:
         release(trainers + engines, pg)

@@ -238,14 +238,13 @@ class SamplerEngine:
 
     def __init__(self, spec: SessionSpec, weights: bool = True) -> None:
         set_threads(spec.cluster.threads_per_actor)
-        self.need = 0  # our engine on a GPU: the bytes it was sized for (sampler_need)
         if spec.engine.name == "vllm":  # vLLM's engine core in this actor, not a spawned child
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         elif spec.device.startswith("cuda"):  # our engine: sized from the model, checked now
             from workbench.model.load import load_model
 
             config = load_model(spec.model, spec.torch_dtype, "meta").model.config
-            self.need = check_sampler_memory(spec, config, torch.cuda.mem_get_info()[0])
+            check_sampler_memory(spec, config, torch.cuda.mem_get_info()[0])
         self.host: ModelHost = host.make_host(spec, trainer=False, weights=weights)
         self.weight_group: Any = None
 
