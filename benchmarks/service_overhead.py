@@ -7,7 +7,8 @@ The loop is a multi-turn maze GRPO step written against the workbench's client m
 sampling client of the current weights; every live episode's next reply sampled by a request
 of its own (`service.remote.RemoteEngine`: the first turn's G rows of a maze in one request of
 G samples), all of a turn's requests in flight together; rewards, group advantages,
-`forward_backward` (importance_sampling, summed) and `optim_step`. It runs first on a session
+`forward_backward` (importance_sampling, summed) over chunks of `algorithm.minibatch` datums,
+all in flight, as the workbench's update sends them, and `optim_step`. It runs first on a session
 opened in this process (the workbench's clients), then, after that session is closed, on the
 same spec behind `python -m workbench session-server` in a process of its own (as a service
 runs), driven through `service.remote.connect_service` (the official tinker SDK, HTTP,
@@ -112,11 +113,14 @@ def step(tc: Any, config: Any, it: int, args: argparse.Namespace) -> dict[str, f
     flat = [ep for group in episodes for ep in group]
     datums = [datum_from_stream(ep.stream, 1.0 if i % 2 == 0 else -1.0)
               for i, ep in enumerate(flat)]
-    out = tc.forward_backward(datums, "importance_sampling", LossConfig(reduction="sum"))
+    size = config.algorithm.minibatch  # datums a call, as the workbench's update sends them
+    futures = [tc.forward_backward(datums[i:i + size], "importance_sampling",
+                                   LossConfig(reduction="sum"))
+               for i in range(0, len(datums), size)]
     tc.optim_step(AdamParams(learning_rate=1e-5)).result()
     done = time.perf_counter()
     return {"step_s": done - start, "sync_s": sampled - start, "rollout_s": played - sampled,
-            "update_s": done - played, "loss": out.result().loss,
+            "update_s": done - played, "loss": sum(f.result().loss for f in futures),
             "tokens": float(np.mean([len(ep.stream) for ep in flat]))}
 
 
