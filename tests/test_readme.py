@@ -9,8 +9,8 @@ minutes of work) says so on its first line, `# not run: <reason>`, and is skippe
 
 The pages' shape is pinned too: the README within 200 lines, opening with a GRPO step of at most
 15 lines that names every phase; every docs page linked from the README; every relative link
-and image pointing at a file (and heading) that exists; test counts quoted only in the README's
-Tests section.
+and image pointing at a file (and heading) that exists; test counts quoted only in
+docs/tests.md's "How long the tests take".
 """
 
 from __future__ import annotations
@@ -131,10 +131,24 @@ for block in json.load(open(sys.argv[1])):
 """
 
 
+STEP_UPDATED = """
+assert up.datums == 16, f"the README's step made no update: {up}"
+after = tc.forward(datums, "importance_sampling").result()  # the same datums, new weights
+assert after.loss < -1e-4 and after.metrics["kl_sampler_trainer"] > 1e-7, after
+"""
+"""Run after the README's blocks: its GRPO step updated the weights. Both groups of its batch
+carry signal (16 datums), and on those datums the importance-sampling loss, 0 at the weights
+that sampled them (ratio 1, advantages of mean 0), fell, as the sampler/trainer KL rose."""
+
+
 def run_page(page: Path, tmp_path: Path, cache: Path) -> None:
-    """Every runnable python block of the page, in order, in one fresh interpreter."""
+    """Every runnable python block of the page, in order, in one fresh interpreter (the
+    README's followed by STEP_UPDATED)."""
     blocks = [{"page": str(b.page), "line": b.line, "where": b.where, "code": b.code}
               for b in runnable(page)]
+    if page == README:
+        blocks.append({"page": __file__, "line": 1, "where": "STEP_UPDATED",
+                       "code": STEP_UPDATED})
     (tmp_path / "blocks.json").write_text(json.dumps(blocks))
     (tmp_path / "runner.py").write_text(RUNNER)
     env = dict(os.environ, HF_HUB_OFFLINE="1", WORKBENCH_CACHE=str(cache), MPLBACKEND="Agg")
@@ -226,13 +240,16 @@ def test_relative_links_and_images_resolve(page: Path) -> None:
     assert not broken, f"{page.relative_to(ROOT)}: {broken}"
 
 
-def test_test_figures_are_quoted_once_in_the_readme_tests_section() -> None:
-    text = README.read_text()
-    tests = re.search(r"^## Tests\n(.*?)(?=^## |\Z)", text, re.M | re.S)
-    assert tests, "README.md has no '## Tests' section"
-    outside = TEST_FIGURE.findall(text[:tests.start()] + text[tests.end():])
-    assert not outside, f"README.md quotes test figures outside its Tests section: {outside}"
-    assert TEST_FIGURE.search(tests[1]), "the Tests section quotes no test counts"
-    for page in DOCS:
-        found = TEST_FIGURE.findall(page.read_text())
-        assert not found, f"{page.name} quotes test figures {found}: link the README's Tests"
+def test_test_figures_are_quoted_once_in_the_tests_page() -> None:
+    """Test counts and durations move with every change: one place holds them (docs/tests.md's
+    "How long the tests take"), and the README links there instead of quoting them."""
+    page = ROOT / "docs" / "tests.md"
+    text = page.read_text()
+    section = re.search(r"^## How long the tests take\n(.*?)(?=^## |\Z)", text, re.M | re.S)
+    assert section, "docs/tests.md has no '## How long the tests take' section"
+    assert TEST_FIGURE.search(section[1]), "the section quotes no test counts"
+    outside = TEST_FIGURE.findall(text[:section.start()] + text[section.end():])
+    assert not outside, f"docs/tests.md quotes test figures outside that section: {outside}"
+    for other in (README, *(d for d in DOCS if d != page)):
+        found = TEST_FIGURE.findall(other.read_text())
+        assert not found, f"{other.name} quotes test figures {found}: link docs/tests.md"
