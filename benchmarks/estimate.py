@@ -35,11 +35,11 @@ def config(overrides: list[str], steps: int, run_dir: Path) -> Any:
 
 def timed_run(overrides: list[str], steps: int, run_dir: Path) -> float:
     """Seconds of a `steps`-step run after its start-up."""
-    from workbench.rl.train import _train_with_restarts, start
+    from workbench.rl.train import start, train_started
 
     trainer = start(config(overrides, steps, run_dir), log=lambda *_: None)
     t0 = time.perf_counter()
-    trainer = _train_with_restarts(trainer, log=lambda *_: None)
+    trainer = train_started(trainer, log=lambda *_: None)
     seconds = time.perf_counter() - t0
     trainer.session.close()
     return seconds

@@ -13,13 +13,59 @@ the tokens where both drew the same token. Small Qwen3-VL shape, bf16, LoRA r8, 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from tests.test_gpu_paths import _prompts, _rollout_like
+from workbench.envs import MazeConfig, MazeEnv, system_prompt
 from workbench.model import LoraSettings, add_lora
 from workbench.model.presets import build_random
+from workbench.policy import (
+    SamplingParams,
+    Stream,
+    append_reply,
+    append_user,
+    chat_format,
+    encode_image,
+    start_stream,
+)
 from workbench.policy.engine import TransformersEngine
 from workbench.policy.graphs import GraphEngine, make_static_decode
+from workbench.rl import user_text
+
+
+def maze_prompts(lm: Any, sizes: tuple[int, ...] = (9, 11)) -> list[Stream]:
+    """The first prompt of maze k (seed k) of each size: system prompt, rules and image (the
+    GPU-path tests share them)."""
+    fmt = chat_format(lm.processor)
+    out = []
+    for k, size in enumerate(sizes):
+        config = MazeConfig(size=size, px_per_cell=25)
+        obs, info = MazeEnv(config).reset(seed=k)
+        s = start_stream(lm.processor, fmt, system_prompt(config))
+        out.append(append_user(s, lm.processor, fmt, user_text(obs, info, config),
+                               encode_image(lm.processor, obs["image"])))
+    return out
+
+
+def rollout_like(engine: Any, prompts: list[Stream], n: int, turns: int, seed: int
+                 ) -> list[list[Any]]:
+    """A few turns of decode + advance with fixed follow-up text (no env), one row dropped a
+    turn: each turn's completions (the GPU-path tests share it)."""
+    fmt = chat_format(engine.lm.processor)
+    rows = engine.open(prompts, n)
+    streams = [s for s in prompts for _ in range(n)]
+    out = []
+    gen = torch.Generator().manual_seed(seed)
+    for turn in range(turns):
+        done = rows.decode(SamplingParams(max_tokens=5, temperature=1.0), gen)
+        out.append(done)
+        streams = [append_user(append_reply(s, fmt, c.tokens, c.logprobs), engine.lm.processor,
+                               fmt, f"turn {turn}") for s, c in zip(streams, done)]
+        keep = [b for b in range(len(streams)) if b != turn]
+        streams = [streams[b] for b in keep]
+        rows.advance(keep, streams)
+    return out
 
 
 def logprob_gaps(a_turns: list, b_turns: list) -> list[float]:
@@ -31,19 +77,19 @@ def logprob_gaps(a_turns: list, b_turns: list) -> list[float]:
 def main() -> None:
     lm = build_random("qwen3-vl-small-shape", dtype=torch.bfloat16, device="cpu")
     lm.model = add_lora(lm.model, LoraSettings(rank=8, alpha=16)).eval()
-    prompts = _prompts(lm)
+    prompts = maze_prompts(lm)
     lora_B = [p for n, p in lm.model.named_parameters() if "lora_B" in n]
     print("B scale | static, unfused: mean / max |dlogp| | fused (merged bf16): mean / max")
     for scale in (0.0, 1e-4, 1e-3, 1e-2, 3e-2):
         with torch.no_grad():
             for k, p in enumerate(lora_B):
                 p.normal_(0, 1, generator=torch.Generator().manual_seed(k)).mul_(scale)
-        eager = _rollout_like(TransformersEngine(lm), prompts, 2, 2, seed=7)
+        eager = rollout_like(TransformersEngine(lm), prompts, 2, 2, seed=7)
         cells = []
         for fused in (False, True):
             static = make_static_decode(lm.model, rows=4, capacity=64, bucket=32,
                                         use_graphs=False, fused=fused)
-            gaps = logprob_gaps(eager, _rollout_like(GraphEngine(lm, static), prompts, 2, 2,
+            gaps = logprob_gaps(eager, rollout_like(GraphEngine(lm, static), prompts, 2, 2,
                                                      seed=7))
             cells.append(f"{sum(gaps) / len(gaps):.2e} / {max(gaps):.2e}")
         print(f"{scale:7g} | {cells[0]} | {cells[1]}")

@@ -227,7 +227,7 @@ def _trl_rows(maze: MazeConfig, prompts: list[MovePrompt]) -> list[dict[str, Any
              "row": p.pos[0], "col": p.pos[1]} for p in prompts]
 
 
-def _trl_config(cfg: CompareConfig, out_dir: str, round_: int, banned: list[int]) -> Any:
+def trl_config(cfg: CompareConfig, out_dir: str, round_: int, banned: list[int]) -> Any:
     """GRPOConfig matched to the workbench's step (see the module docstring)."""
     from trl import GRPOConfig
 
@@ -246,7 +246,7 @@ def _trl_config(cfg: CompareConfig, out_dir: str, round_: int, banned: list[int]
     )
 
 
-def _timed(rec: RunRecord, name: str, fn: Any) -> Any:
+def timed_phase(rec: RunRecord, name: str, fn: Any) -> Any:
     """Wrap a bound method so each call adds its seconds to rec's phase `name`."""
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         t0 = time.perf_counter()
@@ -255,6 +255,31 @@ def _timed(rec: RunRecord, name: str, fn: Any) -> Any:
         finally:
             rec.add_phase(name, time.perf_counter() - t0)
     return wrapper
+
+
+def step_timer(callback_base: type, rec: RunRecord) -> Any:
+    """A TRL callback (`callback_base`: transformers' TrainerCallback, which imports only in
+    TRL's venv) that times step k from on_step_begin k to on_step_begin k+1 (train end for the
+    last) into rec.step_s, and the optimiser step into rec's phase "optimizer"."""
+    marks: dict[str, float] = {}
+
+    class StepTimer(callback_base):  # type: ignore[misc, valid-type]
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            now = time.perf_counter()
+            if "begin" in marks:
+                rec.step_s.append(now - marks["begin"])
+            marks["begin"] = now
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            marks["pre_opt"] = time.perf_counter()
+
+        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            rec.add_phase("optimizer", time.perf_counter() - marks["pre_opt"])
+
+        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
+            rec.step_s.append(time.perf_counter() - marks["begin"])
+
+    return StepTimer()
 
 
 def run_trl(cfg: CompareConfig, maze: MazeConfig, prompts: list[MovePrompt],
@@ -282,36 +307,17 @@ def run_trl(cfg: CompareConfig, maze: MazeConfig, prompts: list[MovePrompt],
         rec.trained_rows.append(len(rewards))  # TRL keeps zero-advantage rows in the loss
         return rewards
 
-    marks: dict[str, float] = {}
-
-    class StepTimer(TrainerCallback):
-        """Step k runs from on_step_begin k to on_step_begin k+1 (train end for the last)."""
-
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            now = time.perf_counter()
-            if "begin" in marks:
-                rec.step_s.append(now - marks["begin"])
-            marks["begin"] = now
-
-        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            marks["pre_opt"] = time.perf_counter()
-
-        def on_optimizer_step(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rec.add_phase("optimizer", time.perf_counter() - marks["pre_opt"])
-
-        def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            rec.step_s.append(time.perf_counter() - marks["begin"])
-
     banned = list(chat_format(processor).banned)
     with tempfile.TemporaryDirectory(prefix="trl-compare-trl-") as out_dir:
         trainer = GRPOTrainer(model=model, reward_funcs=move_reward_trl,
-                              args=_trl_config(cfg, out_dir, round_, banned),
+                              args=trl_config(cfg, out_dir, round_, banned),
                               train_dataset=Dataset.from_list(_trl_rows(maze, prompts)),
-                              processing_class=processor, callbacks=[StepTimer()])
+                              processing_class=processor,
+                              callbacks=[step_timer(TrainerCallback, rec)])
         for attr, name in (("_generate", "generate"), ("_calculate_rewards", "reward"),
                            ("_prepare_inputs", "prepare"), ("compute_loss", "loss_forward"),
                            ("training_step", "training_step")):
-            setattr(trainer, attr, _timed(rec, name, getattr(trainer, attr)))
+            setattr(trainer, attr, timed_phase(rec, name, getattr(trainer, attr)))
         torch.set_num_threads(cfg.threads)  # as the workbench run; accelerate may not touch it
         trainer.train()
     _trl_phases(rec)

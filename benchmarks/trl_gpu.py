@@ -76,7 +76,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.trl_compare import RunRecord, _timed, lora_settings
+from benchmarks.trl_compare import RunRecord, lora_settings, timed_phase
 from benchmarks.trl_multiturn import MultiConfig, maze_tools, run_config, tool_processor, trl_rows
 
 MOVES = ("up", "down", "left", "right")
@@ -206,7 +206,7 @@ def instrument(trainer: Any, rec: RunRecord, cfg: TrlGpuConfig) -> None:
         sampled.append(sum(len(ids) for ids in ids_B))
         return ids_B, logprobs
 
-    generate = _timed(rec, "rollout", trainer._generate)
+    generate = timed_phase(rec, "rollout", trainer._generate)
 
     def rollout(prompts: list) -> Any:
         out = generate(prompts)

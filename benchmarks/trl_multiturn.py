@@ -47,7 +47,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.trl_compare import RunRecord, _timed, _trl_config, load_average, lora_settings
+from benchmarks.trl_compare import (
+    RunRecord,
+    load_average,
+    lora_settings,
+    step_timer,
+    timed_phase,
+    trl_config,
+)
 from workbench.config import RunConfig, apply_overrides, preset
 from workbench.envs import InitState, MazeEnv, system_prompt
 from workbench.model import add_lora, resolve_model_path
@@ -255,25 +262,14 @@ def run_trl(cfg: MultiConfig, round_: int) -> RunRecord:
             envs.append(factory())
             return envs[-1]
 
-        args = _trl_config(cfg, out_dir, round_, list(chat_format(processor).banned))
+        args = trl_config(cfg, out_dir, round_, list(chat_format(processor).banned))
         args.max_completion_length = cfg.max_completion_length
         args.max_tool_calling_iterations = cfg.turns - 1
         sampled: list[int] = []
-        marks: dict[str, float] = {}
-
-        class StepTimer(TrainerCallback):
-            def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                now = time.perf_counter()
-                if "begin" in marks:
-                    rec.step_s.append(now - marks["begin"])
-                marks["begin"] = now
-
-            def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-                rec.step_s.append(time.perf_counter() - marks["begin"])
-
         trainer = GRPOTrainer(model=model, args=args, processing_class=processor,
                               train_dataset=Dataset.from_list(trl_rows(config)),
-                              environment_factory=make, callbacks=[StepTimer()])
+                              environment_factory=make,
+                              callbacks=[step_timer(TrainerCallback, rec)])
         generate_single = trainer._generate_single_turn
 
         def counted(*a: Any, **k: Any) -> Any:
@@ -295,7 +291,7 @@ def run_trl(cfg: MultiConfig, round_: int) -> RunRecord:
             return out
 
         trainer._calculate_rewards = scored
-        trainer._generate = _timed(rec, "rollout", trainer._generate)
+        trainer._generate = timed_phase(rec, "rollout", trainer._generate)
         torch.set_num_threads(cfg.threads)
         trainer.train()
     return rec

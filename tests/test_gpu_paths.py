@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from workbench.envs import MazeConfig, MazeEnv, system_prompt
+from benchmarks.merge_precision import maze_prompts, rollout_like
 from workbench.model import LoraSettings, add_lora
 from workbench.model.presets import (
     QWEN3_VL_8B,
@@ -26,15 +26,10 @@ from workbench.model.presets import (
 )
 from workbench.model.tokenizer import build_tokenizer
 from workbench.policy import (
-    SamplingParams,
-    append_user,
     chat_format,
-    encode_image,
-    start_stream,
 )
 from workbench.policy.engine import TransformersEngine
 from workbench.policy.forward import token_logprobs
-from workbench.rl import user_text
 from workbench.session import SpeedSettings
 
 CUDA = torch.cuda.is_available()
@@ -50,18 +45,6 @@ def small():
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     return lm
-
-
-def _prompts(lm, sizes=(9, 11)):
-    config_fmt = chat_format(lm.processor)
-    out = []
-    for k, size in enumerate(sizes):
-        config = MazeConfig(size=size, px_per_cell=25)
-        obs, info = MazeEnv(config).reset(seed=k)
-        s = start_stream(lm.processor, config_fmt, system_prompt(config))
-        out.append(append_user(s, lm.processor, config_fmt, user_text(obs, info, config),
-                               encode_image(lm.processor, obs["image"])))
-    return out
 
 
 def test_8b_preset_config_numbers_and_param_count() -> None:
@@ -92,41 +75,22 @@ def test_param_count_formula_matches_a_built_model(small) -> None:
 
 
 def test_preset_processor_uses_qwen3vl_pixel_bounds(small) -> None:
-    prompts = _prompts(small)
+    prompts = maze_prompts(small)
     grids = [tuple(s.images[0].grid_thw.tolist()) for s in prompts]
     assert grids == [(1, 16, 16), (1, 18, 18)]  # 225 px -> 64 image tokens, 275 px -> 81
-
-
-def _rollout_like(engine, prompts, n, turns, seed):
-    """A few turns of decode + advance with fixed follow-up text (no env): completions per turn."""
-    fmt = chat_format(engine.lm.processor)
-    rows = engine.open(prompts, n)
-    streams = [s for s in prompts for _ in range(n)]
-    out = []
-    gen = torch.Generator().manual_seed(seed)
-    from workbench.policy import append_reply
-    for turn in range(turns):
-        done = rows.decode(SamplingParams(max_tokens=5, temperature=1.0), gen)
-        out.append(done)
-        streams = [append_user(append_reply(s, fmt, c.tokens, c.logprobs), engine.lm.processor,
-                               fmt, f"turn {turn}") for s, c in zip(streams, done)]
-        keep = [b for b in range(len(streams)) if b != turn]  # drop one row a turn
-        streams = [streams[b] for b in keep]
-        rows.advance(keep, streams)
-    return out
 
 
 def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
     from workbench.policy.attention import use_gqa_decode_attention
     from workbench.policy.graphs import GraphEngine, make_static_decode
 
-    prompts = _prompts(small)
-    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    prompts = maze_prompts(small)
+    eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
     static = make_static_decode(small.model, rows=2, capacity=64, bucket=32, use_graphs=False)
     try:
         use_gqa_decode_attention(small.model)
-        pooled = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
-        again = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)  # pool reused
+        pooled = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+        again = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)  # pool reused
     finally:
         small.model.get_base_model().set_attn_implementation("sdpa")
     assert static.generation >= 2  # grew from 2 rows x 64 to the batch
@@ -144,11 +108,11 @@ def test_fused_decode_matches_the_eager_sampler(small, compiled: bool) -> None:
     from workbench.policy.fused import layer_step
     from workbench.policy.graphs import GraphEngine, make_static_decode
 
-    prompts = _prompts(small)
-    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    prompts = maze_prompts(small)
+    eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
     static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=False,
                                 fused=True, compiled=compiled)
-    fused = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+    fused = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     assert static.fused.version is None and not static.compile_error
     assert (static.layer_step is not layer_step) == compiled  # no silent fall-back to eager
     for a_turn, b_turn in zip(eager, fused):
@@ -172,12 +136,12 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
 
     monkeypatch.setattr(graphs, "_capture", failing_capture)
     monkeypatch.setattr(graphs.torch.cuda, "is_available", lambda: False)  # nothing to sync
-    prompts = _prompts(small)
-    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    prompts = maze_prompts(small)
+    eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
     static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")  # Python's default: once per place
-        fallen = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+        fallen = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
     assert lines == ["speed.cuda_graphs fell back to the slower path: RuntimeError: CUDA "
                      "error: operation not permitted when stream is capturing"]
@@ -201,14 +165,14 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
     def broken(*args, **kwargs):
         raise RuntimeError("inductor: no C compiler")
 
-    prompts = _prompts(small)
-    eager = _rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
+    prompts = maze_prompts(small)
+    eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
     static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=False,
                                 fused=True)
     static.layer_step = broken
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
-        fallen = _rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
+        fallen = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
     assert lines == ["speed.compile_decode fell back to the slower path: "
                      "RuntimeError: inductor: no C compiler"]
@@ -265,7 +229,7 @@ def test_lora_in_model_dtype_keeps_the_gradients() -> None:
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator().manual_seed(1))
     fmt, pad = chat_format(lm.processor), lm.processor.tokenizer.pad_token_id
-    streams = _prompts(lm)
+    streams = maze_prompts(lm)
     q_proj = model.get_base_model().model.language_model.layers[0].self_attn.q_proj
     seen = []
     hook = q_proj.lora_A["default"].register_forward_pre_hook(
@@ -309,7 +273,7 @@ def test_selective_checkpointing_keeps_the_gradients(small, monkeypatch) -> None
         CheckpointPolicy.PREFER_RECOMPUTE
     assert _keep_matmuls(None, aten.mul.Tensor, x, x) == CheckpointPolicy.PREFER_RECOMPUTE
     fmt, pad = chat_format(small.processor), small.processor.tokenizer.pad_token_id
-    streams = _prompts(small)
+    streams = maze_prompts(small)
     model = small.model
 
     def loss_and_grads(checkpointing: bool) -> tuple[float, list[torch.Tensor]]:
@@ -359,7 +323,7 @@ def test_gqa_attention_matches_sdpa(queries: int) -> None:
 def test_loss_tokens_only_matches_full_logprobs(small) -> None:
     fmt = chat_format(small.processor)
     pad = small.processor.tokenizer.pad_token_id
-    streams = _prompts(small)
+    streams = maze_prompts(small)
     keep = [[t % 3 == 0 for t in range(len(s))] for s in streams]
     model = small.model
     model.train()
@@ -390,11 +354,11 @@ def test_graph_decode_matches_eager_on_cuda(fused: bool, compiled: bool) -> None
         for name, p in lm.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.02, generator=torch.Generator("cuda").manual_seed(1))
-    prompts = _prompts(lm)
-    eager = _rollout_like(TransformersEngine(lm), prompts, 2, 3, seed=3)
+    prompts = maze_prompts(lm)
+    eager = rollout_like(TransformersEngine(lm), prompts, 2, 3, seed=3)
     static = make_static_decode(lm.model, rows=4, capacity=512, bucket=64, fused=fused,
                                 compiled=compiled)
-    graphed = _rollout_like(GraphEngine(lm, static), prompts, 2, 3, seed=3)
+    graphed = rollout_like(GraphEngine(lm, static), prompts, 2, 3, seed=3)
     assert static.use_graphs and static.captures > 0, static.error
     assert not static.compile_error, static.compile_error
     for a_turn, b_turn in zip(eager, graphed):

@@ -1,21 +1,22 @@
-"""The package's layers, checked by walking every import (module level and inside functions):
+"""The package's layers, checked by walking every import (module level and inside functions).
 
-    workbench, deps, advantages  <  loggers  <  envs, model  <  policy  <  session  <  storage
-    <  cluster  <  config  <  run, runfolder, registry, opener  <  rl, jobs
-    <  viz, serve, service, notebook, demo, cli
-
-No import cycle; no underscore name imported from another module; no module imports from a layer
-above its own; the model, the sampler, the session and its Ray backend do not know the maze.
+`LAYERS` below is the one statement of the order; docs/layout.md's layer block and the README's
+Layout are checked against it. No import cycle; no underscore name imported from another
+module; no module imports from a layer above its own; the model, the sampler, the session and
+its Ray backend do not know the maze. The benchmarks import no private name and nothing from
+tests/.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "workbench"
+REPO = ROOT.parent
 
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("workbench", "workbench.deps", "workbench.advantages"),
@@ -156,3 +157,66 @@ def test_the_maze_stays_above_the_session(package: str) -> None:
     bad = [(name, m) for name in inside for m, _ in imports_of(name)
            if any(m == f or m.startswith(f + ".") for f in APART[package])]
     assert bad == []
+
+
+# ------------------------------------------------------------ the order, as the docs state it
+
+
+def as_module(word: str) -> str:
+    """`envs/` or `deps.py` -> workbench.envs / workbench.deps."""
+    return "workbench." + word.removesuffix("/").removesuffix(".py")
+
+
+def layout_block_layers() -> list[set[str]]:
+    """docs/layout.md's layer block: one layer a line that starts at the margin, its names
+    before the first run of two spaces (indented lines continue the one above)."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    block = text.split("The layers, lowest first", 1)[1].split("```\n", 2)[1]
+    return [{as_module(w) for w in line.split("  ", 1)[0].split(", ")}
+            for line in block.splitlines() if line and not line.startswith(" ")]
+
+
+def test_the_layout_page_lists_the_layers_in_order() -> None:
+    stated = [set(layer) - {"workbench", "workbench.__main__"} for layer in LAYERS]
+    assert layout_block_layers() == [layer for layer in stated if layer]
+
+
+def test_the_readme_names_the_layers_in_order() -> None:
+    text = (REPO / "README.md").read_text()
+    section = text.split("## Layout\n", 1)[1].split("\n## ", 1)[0]
+    named = [as_module(w) for w in re.findall(r"`([a-z_]+(?:/|\.py))`", section)
+             if w != "workbench/"]
+    assert len(named) >= 8, named
+    order = [layer_of(m) for m in named]
+    assert order == sorted(order), list(zip(named, order))
+
+
+# ------------------------------------------------------------------------- the benchmarks
+
+BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
+
+
+def project_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, name or "") for every import of the project's own packages in a file."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(a.name, "") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.module, a.name) for a in node.names]
+    return [(m, n) for m, n in out if m.split(".")[0] in ("workbench", "benchmarks", "tests")]
+
+
+def test_no_benchmark_imports_a_private_name_or_the_tests() -> None:
+    found = [project_imports(p) for p in BENCHMARKS]
+    assert sum(len(f) for f in found) > 30  # the walk found the imports
+    bad = [(p.name, f"{m}.{n}" if n else m) for p, imports in zip(BENCHMARKS, found)
+           for m, n in imports if m.split(".")[0] == "tests" or n.startswith("_")
+           or any(part.startswith("_") for part in m.split("."))]
+    assert bad == []
+
+
+def test_the_layout_page_names_every_benchmark() -> None:
+    text = (REPO / "docs" / "layout.md").read_text()
+    missing = [p.name for p in BENCHMARKS if p.name != "__init__.py" and p.name not in text]
+    assert missing == []

@@ -282,14 +282,16 @@ def train(config: RunConfig, log: Any = print) -> Trainer:
     away (Ray Client loses its connection), a ClusterLostError names the checkpoint kept."""
     trainer = start(config, log)
     try:
-        return _train_with_restarts(trainer, log)
+        return train_started(trainer, log)
     except ConnectionError as err:
         if not config.cluster.address or isinstance(err, ClusterLostError):
             raise
         raise cluster_lost(config, trainer.run_dir, err) from err
 
 
-def _train_with_restarts(trainer: Trainer, log: Any) -> Trainer:
+def train_started(trainer: Trainer, log: Any) -> Trainer:
+    """`train` after its `start`: the loop, reopening the session from the last checkpoint on
+    a recoverable error (a benchmark times this part alone)."""
     config, restarts = trainer.config, 0
     while True:
         try:
