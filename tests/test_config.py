@@ -383,3 +383,32 @@ def test_truncated_importance_sampling_needs_a_cap_of_one_or_more_and_one_optimi
         with pytest.raises(ConfigError, match="set algorithm.mini_batches=1 and "
                                               "algorithm.update_epochs=1"):
             apply_overrides(RunConfig(), ["algorithm.tis_cap=2", extra])
+
+
+def test_the_fp8_story_holds_and_is_told_in_help_and_docs(capsys: pytest.CaptureFixture) -> None:
+    """FP8_STORY's claims, each checked: the refusals, SkyRL's spellings, the one line a run
+    without tis_cap starts with; and the text ends --help and stands in docs/configuration.md."""
+    from pathlib import Path
+
+    from workbench.cli import build_parser
+    from workbench.config import FP8_STORY
+    from workbench.rl.train import fp8_ratio_line
+
+    base = PRESETS["tiny"]
+    with pytest.raises(ConfigError, match="engine.vllm_fp8 .* needs engine.name=vllm"):
+        apply_overrides(base, ["engine.vllm_fp8=true"])
+    with pytest.raises(ConfigError, match="tis_cap must be 0 .* or >= 1"):
+        apply_overrides(base, ["algorithm.tis_cap=0.5"])
+    with pytest.raises(ConfigError, match="algorithm.mini_batches=1"):
+        apply_overrides(base, ["algorithm.tis_cap=2", "algorithm.mini_batches=2"])
+    skyrl = apply_overrides(base, ["trainer.fp8_base=true",
+                                   "trainer.algorithm.tis_imp_ratio_cap=2"])
+    assert (skyrl.speed.fp8_base, skyrl.algorithm.tis_cap) == (True, 2.0)
+    assert fp8_ratio_line(skyrl) == ""
+    alone = apply_overrides(base, ["speed.fp8_base=true"])
+    assert fp8_ratio_line(alone).startswith("speed.fp8_base with algorithm.tis_cap=0:")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["train", "--help"])
+    assert " ".join(capsys.readouterr().out.split()).endswith(" ".join(FP8_STORY.split()))
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert " ".join(FP8_STORY.split()) in " ".join(docs.split())

@@ -25,7 +25,15 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from workbench.config import PRESETS, ConfigError, RunConfig, apply_overrides, describe_keys, preset
+from workbench.config import (
+    FP8_STORY,
+    PRESETS,
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    describe_keys,
+    preset,
+)
 from workbench.estimate import EstimateError
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.rl.replay import ReplayError
@@ -291,7 +299,8 @@ def _with_overrides(sub: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with one sub-command per entry point."""
-    keys = "config keys (defaults of the tiny preset):\n" + describe_keys(RunConfig())
+    keys = ("config keys (defaults of the tiny preset):\n" + describe_keys(RunConfig())
+            + "\n\n" + FP8_STORY)
     parser = argparse.ArgumentParser(prog="python -m workbench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)

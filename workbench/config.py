@@ -485,6 +485,25 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
+FP8_STORY = """\
+FP8 is three keys, one story. speed.fp8_base puts the trainer's frozen base in FP8: the
+update's text linear layers run FP8 matrix products (e4m3, row-wise scales) under the bf16
+adapter, on a GPU of compute capability 8.9+ (elsewhere it falls back with one warning, and
+speed/fp8_base logs 0). engine.vllm_fp8 puts the sampler's linear layers in FP8: vLLM's own
+per-tensor quantisation, of each merged version as it arrives (engine.vllm_lora=merged) or of
+the base once under bf16 LoRA kernels (adapter); it is refused without engine.name=vllm. Either
+one makes the sampler's log-probs of the sampled tokens differ from the trainer's by FP8's
+rounding, far more than bf16's, and PPO's ratio to the sampler then clips or weighs most reply
+tokens by that error. algorithm.tis_cap=C (C >= 1; 2 in the measured runs) corrects for it: the
+ratio is taken against the trainer's own log-probs and each token is weighed by min(trainer /
+sampler probability, C). So use either FP8 key with algorithm.tis_cap: a run without says so in
+one line. tis_cap needs one optimiser step per rollout (algorithm.mini_batches=1,
+algorithm.update_epochs=1) and values below 1 are refused. SkyRL's spellings are accepted:
+trainer.fp8_base, trainer.algorithm.tis_imp_ratio_cap."""
+"""The FP8 keys together: what each does, what is refused, why tis_cap goes with them (the
+CLI's --help ends with it; docs/configuration.md quotes it)."""
+
+
 def describe_keys(config: RunConfig) -> str:
     """One line per dotted key: key=default  help."""
     lines = []
