@@ -17,6 +17,9 @@
 
     python -m benchmarks.bench                 # everything (make bench)
     python -m benchmarks.bench core serving    # some parts: core | serving | ray | glue
+
+Answers: What do the parts cost on the CPU: the sampler, the update, a step, Ray? Figures:
+benchmarks/RESULTS.md, "A step on the CPU".
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ signal, so every step updates).
 
     python -m benchmarks.estimate                        # pilot 2 steps, run 6
     python -m benchmarks.estimate --pilot 3 --steps 10 generator.max_turns=5   # any key=value
+
+Answers: How close does a pilot run's projection come to the run? Figures:
+benchmarks/RESULTS.md, "What a run will take: the projection against a run".
 """
 
 from __future__ import annotations

@@ -33,6 +33,9 @@ one drain step after: "off_policy").
 Side by side: a comma list in --backend or --lora (`engine.vllm_lora`) runs each backend for
 each LoRA way as a process of its own, one after another on the same GPU, and prints one table
 of their phases with each backend's step over the first backend's ("ratio").
+
+Answers: What does the product's GRPO step cost on one GPU, phase by phase, in-process and on
+Ray? Figures: benchmarks/RESULTS.md, "A step on the H200".
 """
 
 from __future__ import annotations

@@ -34,6 +34,9 @@ One table at the end, a row per path: pass or the first error line, the median s
 steps after the first of each start), the sampler/trainer KL, the peak GPU memory the run logged
 (`memory/gpu_peak_gb`: torch's peak in each of its processes plus vLLM's budget) and, for the
 8B rows, the phases. --out keeps each run's folder, its log and `table.md` / `results.json`.
+
+Answers: Does every GPU path still run, and at what step time, KL and memory? Figures:
+benchmarks/RESULTS.md, "Every GPU path (`make test-gpu`)".
 """
 
 from __future__ import annotations

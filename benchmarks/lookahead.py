@@ -4,6 +4,9 @@ goal), moving toward the goal among the rest. Solved mazes of the 64 held-out on
 
     python benchmarks/lookahead.py            # 9x9 (VisGym easy), 15 turns
     python benchmarks/lookahead.py --size 7
+
+Answers: How far ahead must a maze agent look to solve the held-out mazes in the turn budget?
+Figures: benchmarks/RESULTS.md, "What limits the tiny policy".
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ differ by that rounding: up to half a bf16 step of W per element, whatever the a
 For growing adapter sizes (B ~ N(0, scale)), this prints the mean and max |delta log-prob|
 between the eager sampler (transformers + peft) and each static path (unfused, fused), over
 the tokens where both drew the same token. Small Qwen3-VL shape, bf16, LoRA r8, same seeds.
+
+Answers: What does merging the adapter into bf16 weights cost in sampler/trainer agreement?
+Figures: benchmarks/RESULTS.md, "Sampler against trainer: log-probs".
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ printed in one line beside its time.
 
 The pretrained tiny policy (tiny-sft) must be built already (`python -m workbench.rl.pretrained`),
 or the first notebook pays for its build.
+
+Answers: How long does each notebook take with its committed parameters? Figures:
+benchmarks/RESULTS.md, "Notebooks on the H200".
 """
 
 from __future__ import annotations

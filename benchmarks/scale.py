@@ -15,6 +15,9 @@ turn budget (the turns column checks it).
   the longest budget) and the ratios t15/t5 (3 if proportional, 9 if quadratic) and
   (t15-t10)/(t10-t5) (1 if linear, 5/3 if quadratic).
 - scale: G = 4, 8, 16 episodes per maze x easy (size 9) and hard (size 11), 8 mazes, 15 turns.
+
+Answers: How does the CPU step grow with the turn budget and the batch? Figures:
+benchmarks/RESULTS.md, "A step on the CPU".
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ Timed: after a warm-up (one request per adapter and one on the base, other mazes
 --requests requests sent at once. Figures: requests/s and completion tokens/s over the wave's
 wall time, latency p50 / p95 / max, requests per adapter, the replica's /v1/stats counters and
 the endpoint's start-up time (vLLM: engine start, torch.compile and CUDA graph capture).
+
+Answers: How fast does the endpoint serve a base and its adapters, against vLLM's own server?
+Figures: benchmarks/RESULTS.md, "Serving".
 """
 
 from __future__ import annotations

@@ -16,6 +16,9 @@ protobuf, PNG images): the difference is the service's overhead. On CUDA the spe
 on `qwen3-vl-8b-shape` (random bf16 weights, saved once for vLLM); on the CPU tiny-sft. Every
 datum gets advantage +-1 by episode index (a random model earns one reward).
 Prints each step and a JSON summary (medians after --warmup steps).
+
+Answers: What does the session server add to a step, against the same loop in-process? Figures:
+benchmarks/RESULTS.md, "Sessions as a service".
 """
 
 from __future__ import annotations

@@ -32,6 +32,9 @@ step of each run and per pass over the pool. See benchmarks/RESULTS.md for the f
 
 The start model defaults to runs/bench/trl_sft/model, built on first use by the workbench's SFT
 (`python -m workbench sft run_dir=runs/bench/trl_sft`, 480 steps, ~4 min; not timed here).
+
+Answers: How does the workbench's single-turn GRPO compare with TRL's on the CPU? Figures:
+benchmarks/RESULTS.md, "CPU against TRL".
 """
 
 from __future__ import annotations

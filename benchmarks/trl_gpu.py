@@ -58,6 +58,9 @@ end past --deadline-s from the start is not begun): median step seconds (the fir
 left out), sampled (completion) tokens/s, total tokens a step (prompt + completion with tool
 answers, images expanded, all episodes), episodes a step, turns (replies) an episode, peak GPU
 memory (this process: trainer and vLLM), rollout seconds; the command line and date.
+
+Answers: How does the workbench's step compare with TRL's, vLLM colocated, on one GPU? Figures:
+benchmarks/RESULTS.md, "The H200 against TRL".
 """
 
 from __future__ import annotations

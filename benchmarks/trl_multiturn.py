@@ -28,6 +28,9 @@ episode. TRL keeps zero-advantage rows in the loss; the workbench drops them.
 
 Printed and written to runs/bench/trl_multiturn.json: median seconds a step (the first step of
 each run left out), steps/s, sampled tokens/s, the ratio, the reward and turns per step.
+
+Answers: How does the workbench's multi-turn GRPO compare with TRL's environment loop? Figures:
+benchmarks/RESULTS.md, "Multi-turn, against TRL's environment loop".
 """
 
 from __future__ import annotations

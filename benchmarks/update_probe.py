@@ -15,6 +15,9 @@ slices of the call with the host operators that ran in each, the time to the cal
 operation, and the GPU's busy total. On a GPU it also lists where one call's launch still makes
 the host wait for the device (`host_waits`: torch's sync debug mode, by source line) and times
 the call's attention (forward and backward, one layer's shape) on each SDPA backend.
+
+Answers: Where does an update call's GPU wait? Figures: benchmarks/RESULTS.md, "The update on
+the H200".
 """
 
 from __future__ import annotations

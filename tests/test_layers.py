@@ -220,3 +220,16 @@ def test_the_layout_page_names_every_benchmark() -> None:
     text = (REPO / "docs" / "layout.md").read_text()
     missing = [p.name for p in BENCHMARKS if p.name != "__init__.py" and p.name not in text]
     assert missing == []
+
+
+def test_each_benchmark_names_its_question_and_its_results_section() -> None:
+    results = (REPO / "benchmarks" / "RESULTS.md").read_text()
+    headings = {m[1].strip() for m in re.finditer(r"^#{2,4} +(.+)$", results, re.M)}
+    named = {}
+    for path in BENCHMARKS:
+        if path.name == "__init__.py":
+            continue
+        doc = " ".join((ast.get_docstring(ast.parse(path.read_text())) or "").split())
+        found = re.search(r'Answers: (.+?\?) Figures: benchmarks/RESULTS\.md, "([^"]+)"\.', doc)
+        named[path.name] = found[2] if found else "(no 'Answers: ...? Figures: ...' line)"
+    assert {k: v for k, v in named.items() if v not in headings} == {}
