@@ -146,8 +146,10 @@ class TrainerConfig:
     logger: str = "jsonl"
     """Where metric rows go, comma-separated: jsonl (metrics.jsonl, always written even when
     not listed) | tensorboard (<run_dir>/tensorboard/; extra `tensorboard`) | mlflow (the run
-    folder's mlflow.db, or $MLFLOW_TRACKING_URI; extra `mlflow`). E.g. jsonl,tensorboard,mlflow:
-    every row's numbers under the metrics.jsonl keys at its step (workbench/loggers.py)."""
+    folder's mlflow.db, or $MLFLOW_TRACKING_URI; extra `mlflow`) | wandb (a W&B run, offline
+    in <run_dir>/wandb/ without a key or a server, said in one line; extra `wandb`). E.g.
+    jsonl,tensorboard: every row's numbers under the metrics.jsonl keys at its step
+    (workbench/loggers.py)."""
 
     # The intervals as the fields above state them; `last` is the run's last step (default
     # total_steps). The loop acts on them, and `workbench.estimate` counts them.

@@ -19,6 +19,7 @@ EXTRAS: dict[str, str] = {
     "mlflow": "mlflow",
     "sqlalchemy": "mlflow",
     "alembic": "mlflow",
+    "wandb": "wandb",
 }
 
 

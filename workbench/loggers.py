@@ -1,50 +1,65 @@
-"""Metric rows where users already look: TensorBoard event files and MLflow, beside metrics.jsonl.
+"""Metric rows where users already look: TensorBoard, MLflow and Weights & Biases, beside
+metrics.jsonl.
 
-    python -m workbench train trainer.logger=jsonl,tensorboard,mlflow
+    python -m workbench train trainer.logger=jsonl,tensorboard,mlflow,wandb
     tensorboard --logdir runs/grpo/tensorboard
     mlflow ui --backend-store-uri sqlite:///runs/grpo/mlflow.db   # the UI needs the full `mlflow`
+    wandb sync runs/grpo/wandb/offline-run-*                      # an offline run, uploaded
 
 `trainer.logger` is a comma-separated list of LOGGERS. metrics.jsonl is always written (plots,
 viewers and resume read it); every other logger gets each row's numbers (int, float, bool; not
-`step`) under the same keys, at the row's step. Each write opens, appends and closes, as
-metrics.jsonl does, so nothing is held open between steps:
+`step`) under the same keys, at the row's step. A TensorBoard or MLflow write opens, appends
+and closes, as metrics.jsonl does, so nothing is held open between steps:
 
 - tensorboard: <run_dir>/tensorboard/events.out.tfevents.workbench, one event per row with a
   float32 scalar per key (TensorBoard's own record format, written with its protobufs).
 - mlflow: one MLflow run per run folder, its id in <run_dir>/mlflow_run.json; the store is
   $MLFLOW_TRACKING_URI, else the SQLite file <run_dir>/mlflow.db (MLflow 3 refuses its plain
   file store). The flattened config is logged once as the run's params.
+- wandb: one W&B run per run folder (project $WANDB_PROJECT, else "workbench"; named after the
+  folder; its id in <run_dir>/wandb_run.json; its files under <run_dir>/wandb/), the config as
+  the run's config, each evaluation's per-maze outcomes as a `wandb.Table` (`eval/mazes`). The
+  run stays open in the process (wandb's own `wandb.run`) and ends with it. It runs offline
+  when there is no API key ($WANDB_API_KEY or `wandb login`) or the server cannot be reached,
+  and says so in one line; $WANDB_MODE, when set, decides instead.
 
 Resuming from a checkpoint drops the metrics.jsonl rows after it and redoes those steps. The
 TensorBoard file then gets a restart marker (SessionLog START at the first redone step), so
-TensorBoard drops the older values of those steps, as after a TensorFlow restart; the MLflow
-run goes on under the same id, so a redone step holds two values in its history and the later
-one is the resumed run's. A logger whose record is missing (switched on at a resume, or a run
-resumed from s3:// on a new machine) first copies every row of metrics.jsonl into it.
+TensorBoard drops the older values of those steps, as after a TensorFlow restart; the MLflow and
+W&B runs go on under the same id, so a redone step holds two values in its history and the later
+one is the resumed run's (W&B keeps a step's values merged while the process lives; a resume in
+a new process starts a new offline folder of the same run). A logger whose record is missing
+(switched on at a resume, or a run resumed from s3:// on a new machine) first copies every row
+of metrics.jsonl into it.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
+import netrc
 import numbers
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from workbench.deps import require
 
-LOGGERS = ("jsonl", "tensorboard", "mlflow")
+LOGGERS = ("jsonl", "tensorboard", "mlflow", "wandb")
 """The values trainer.logger may list."""
 
-NEEDS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
+NEEDS = {"tensorboard": ("tensorboard",), "mlflow": ("mlflow", "sqlalchemy", "alembic"),
+         "wandb": ("wandb",)}
 """Modules each logger imports (the mlflow extra brings SQLAlchemy and Alembic for the local
 SQLite store; a tracking server set by $MLFLOW_TRACKING_URI needs only mlflow)."""
 
 TB_FILE = Path("tensorboard") / "events.out.tfevents.workbench"
 MLFLOW_RUN = "mlflow_run.json"
+WANDB_RUN = "wandb_run.json"
 
 
 def parse(spec: str) -> tuple[str, ...]:
@@ -163,6 +178,78 @@ def _new_mlflow_run(client: Any, run_dir: Path, uri: str | None) -> str:
     return run.info.run_id
 
 
+
+# ------------------------------------------------------------------------- Weights & Biases
+
+
+def _write_wandb(run_dir: Path, row: dict[str, Any]) -> None:
+    run, rows = _wandb_run(run_dir, row)
+    for r in rows:
+        run.log(scalars(r) | _eval_table(run_dir, r), step=r["step"])
+
+
+def _wandb_run(run_dir: Path, row: dict[str, Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """The run folder's W&B run and the rows to log: this process's live run when it is the
+    folder's (the row alone); else a run resumed by the id in wandb_run.json (the row alone) or
+    a new one (every row so far), with the config, offline as wandb_mode says."""
+    wandb = require("wandb")
+    saved = _read_json(run_dir / WANDB_RUN)
+    if wandb.run is not None and wandb.run.id == saved.get("run_id"):
+        return wandb.run, [row]
+    if wandb.run is not None:
+        wandb.run.finish()  # another run folder's, earlier in this process (a notebook)
+    mode, why = wandb_mode()
+    run = wandb.init(project=os.environ.get("WANDB_PROJECT") or "workbench",
+                     name=run_dir.resolve().name, id=saved.get("run_id"), resume="allow",
+                     dir=run_dir, mode=mode, config=_read_json(run_dir / "config.json"),
+                     settings=wandb.Settings(silent=True, console="off"))
+    if why:
+        print(f"wandb: {why}, so this run logs offline to {Path(run.dir).parent}; "
+              f"`wandb sync {Path(run.dir).parent}` uploads it", flush=True)
+    if saved.get("run_id") == run.id:
+        return run, [row]
+    (run_dir / WANDB_RUN).write_text(json.dumps({"run_id": run.id, "project": run.project}))
+    return run, _history(run_dir, row)
+
+
+def wandb_mode() -> tuple[str, str]:
+    """(mode for wandb.init, why it is offline or ""): $WANDB_MODE when set; else "offline"
+    without an API key ($WANDB_API_KEY, or `wandb login`'s entry in ~/.netrc) or when the server
+    ($WANDB_BASE_URL, else api.wandb.ai) does not answer a connection within 3 s."""
+    if os.environ.get("WANDB_MODE"):
+        return os.environ["WANDB_MODE"], ""
+    url = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai")
+    host = url.hostname or "api.wandb.ai"
+    if not os.environ.get("WANDB_API_KEY") and not _netrc_key(host):
+        return "offline", "no API key ($WANDB_API_KEY or `wandb login`)"
+    try:
+        socket.create_connection((host, url.port or 443), timeout=3).close()
+    except OSError:
+        return "offline", f"{host} cannot be reached"
+    return "online", ""
+
+
+def _netrc_key(host: str) -> bool:
+    try:
+        return netrc.netrc().authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def _eval_table(run_dir: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """{"eval/mazes": a wandb.Table of the evaluation's per-maze outcomes} for an evaluation
+    row (eval/step_N.json written), else {}."""
+    path = run_dir / "eval" / f"step_{row['step']:06d}.json"
+    if "eval/n_mazes" not in row or not path.is_file():
+        return {}
+    import wandb
+
+    data = [[k, r["mode"], solved, r["episodes_per_maze"]]
+            for r in _read_json(path)["results"] for k, solved in enumerate(r["successes_P"])]
+    return {"eval/mazes": wandb.Table(columns=["maze", "mode", "solved", "episodes"],
+                                      data=data)}
+
+
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """All metric rows (an unfinished last line from a killed writer is ignored)."""
     path = Path(run_dir) / "metrics.jsonl"
@@ -202,5 +289,5 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
 
 
 WRITERS: dict[str, Callable[[Path, dict[str, Any]], None]] = {
-    "tensorboard": _write_tensorboard, "mlflow": _write_mlflow}
+    "tensorboard": _write_tensorboard, "mlflow": _write_mlflow, "wandb": _write_wandb}
 """The loggers besides metrics.jsonl (written by workbench.run.append_metrics)."""
