@@ -31,6 +31,7 @@ from workbench.policy import SamplingParams, Stream
 from workbench.policy.engine import play_lockstep
 from workbench.policy.sampler import Completion
 from workbench.service.sdk import completion, model_input, sdk_datum
+from workbench.service.wire import ImageCache
 from workbench.session.losses import REDUCTION_SCALES, LossConfig
 from workbench.session.types import (
     AdamParams,
@@ -81,7 +82,7 @@ class RemoteTrainingClient:
     def __init__(self, sdk_training: Any) -> None:
         self.sdk = sdk_training
         self.pool = ThreadPoolExecutor(4, thread_name_prefix="workbench-remote")
-        self.pngs: dict[bytes, bytes] = {}  # each image of a conversation encoded once
+        self.pngs = ImageCache()  # each image of a conversation encoded once
         self._processor: Any = None
 
     def get_processor(self) -> Any:
@@ -221,7 +222,7 @@ class RemoteEngine:
 
 
 def sdk_datums_of(datums: list[Datum], loss_fn: str, cfg: LossConfig,
-                  pngs: dict[bytes, bytes] | None = None) -> tuple[list[Any], dict[str, float]]:
+                  pngs: ImageCache | None = None) -> tuple[list[Any], dict[str, float]]:
     """Workbench datums as the SDK's, the reduction folded into each datum's advantages (or
     weights) -> (datums, loss_fn_config)."""
     if cfg.tis_cap or cfg.temperature != 1.0:

@@ -18,32 +18,28 @@ import numpy as np
 
 from workbench.policy import Stream
 from workbench.policy.sampler import Completion
+from workbench.service.wire import ImageCache
 from workbench.session.types import Datum, datum_from_stream
 
 
-def png(image_HW3: np.ndarray, cache: dict[bytes, bytes] | None = None) -> bytes:
+def png(image_HW3: np.ndarray, cache: ImageCache | None = None) -> bytes:
     """An RGB uint8 image as PNG bytes (lossless: the server reads the same pixels back). With
-    `cache` (pixels' digest -> bytes) an image a conversation sends again is encoded once."""
+    `cache` an image a conversation sends again is encoded once."""
     from PIL import Image
 
     pixels = np.ascontiguousarray(image_HW3)
-    key = hashlib.sha1(pixels.data).digest() + str(pixels.shape).encode()
-    if cache is not None and key in cache:
-        return cache[key]
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="PNG")
-    if cache is not None:
-        if len(cache) >= PNG_CACHE:
-            cache.clear()
-        cache[key] = out.getvalue()
-    return out.getvalue()
+
+    def encode() -> bytes:
+        out = io.BytesIO()
+        Image.fromarray(pixels).save(out, format="PNG")
+        return out.getvalue()
+
+    if cache is None:
+        return encode()
+    return cache.get(hashlib.sha1(pixels.data).digest() + str(pixels.shape).encode(), encode)
 
 
-PNG_CACHE = 4096  # images a cache keeps before it starts again
-
-
-def model_input(stream: Stream, end: int | None = None,
-                pngs: dict[bytes, bytes] | None = None) -> Any:
+def model_input(stream: Stream, end: int | None = None, pngs: ImageCache | None = None) -> Any:
     """The stream's tokens [0, end) as a tinker ModelInput: text as token chunks, each image's
     <|image_pad|> run as an image chunk of the RGB image it came from (`pngs`: `png`'s cache)."""
     from tinker import types
@@ -72,8 +68,8 @@ def model_input(stream: Stream, end: int | None = None,
     return types.ModelInput(chunks=chunks)
 
 
-def sdk_datum(datum: Datum, loss_fn: str, scale: float = 1.0,
-              pngs: dict[bytes, bytes] | None = None) -> Any:
+def sdk_datum(datum: Datum, loss_fn: str, scale: float = 1.0, pngs: ImageCache | None = None
+              ) -> Any:
     """A workbench datum as a tinker Datum for `loss_fn`: the stream's tokens but the last as
     model_input, the next tokens as targets; cross_entropy: its weights; importance_sampling,
     ppo, cispo: the sampler's log-probs and its advantages times its weights (tinker's

@@ -172,20 +172,21 @@ def rgb_image(image: Image, max_pixels: int, where: str) -> np.ndarray:
 
 
 class ImageCache:
-    """Images read before, by their bytes: a multi-turn client sends a conversation's earlier
-    images again with every turn, and each is read once (`size` kept, the oldest dropped)."""
+    """Images handled before, by a digest of their bytes: a multi-turn conversation sends its
+    earlier images again with every turn, and each is read (on the server) or encoded (in the
+    client, `sdk.png`) once. `size` kept, the least recently used dropped; thread-safe."""
 
     def __init__(self, size: int = 4096) -> None:
         self.size, self.images = size, OrderedDict[bytes, Any]()
         self.lock = threading.Lock()  # requests are read on several threads
 
-    def get(self, image: Image, read: Any) -> Any:
-        key = hashlib.sha1(image.data).digest() + image.format.encode()
+    def get(self, key: bytes, make: Any) -> Any:
+        """The value kept under `key`, else make()'s, kept."""
         with self.lock:
             if key in self.images:
                 self.images.move_to_end(key)
                 return self.images[key]
-        value = read()  # outside the lock: other requests' images are read meanwhile
+        value = make()  # outside the lock: other requests' images are read meanwhile
         with self.lock:
             self.images[key] = value
             if len(self.images) > self.size:
@@ -207,7 +208,8 @@ def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, max_pixels
             continue
         def read(chunk: Image = chunk, i: int = i) -> Any:
             return encode_image(processor, rgb_image(chunk, max_pixels, f"{where}[{i}]"))
-        vision = cache.get(chunk, read) if cache is not None else read()
+        key = hashlib.sha1(chunk.data).digest() + chunk.format.encode()
+        vision = cache.get(key, read) if cache is not None else read()
         n = vision.n_patches // fmt.merge ** 2
         if chunk.expected_tokens is not None and chunk.expected_tokens != n:
             raise WireError(f"{where}[{i}]: expected_tokens is {chunk.expected_tokens}, but "
