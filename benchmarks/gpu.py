@@ -144,17 +144,17 @@ def bench_config(args: argparse.Namespace, workdir: Path) -> Any:
 
 
 def first_prompts(processor: Any, config: Any, n: int) -> list[Any]:
-    """The first-turn prompts (system rules, image, text) of the first n eval mazes."""
-    from workbench.envs import MazeEnv, eval_set, system_prompt
-    from workbench.policy import append_user, chat_format, encode_image, start_stream
-    from workbench.rl.rollout import user_text
+    """The first-turn prompts (system rules, image, text) of the first n eval mazes, as a
+    rollout builds them (`rl.rollout.observe`)."""
+    from workbench.envs import MazeEnv, eval_set
+    from workbench.policy import chat_format, start_stream
+    from workbench.rl.rollout import observe
 
     fmt, out = chat_format(processor), []
     for state in eval_set(config.size, n):
         obs, info = MazeEnv(config).reset(options={"init_state": state})
-        stream = start_stream(processor, fmt, system_prompt(config))
-        out.append(append_user(stream, processor, fmt, user_text(obs, info, config),
-                               encode_image(processor, obs["image"])))
+        out.append(observe(start_stream(processor, fmt, config.rules()), processor, fmt, obs,
+                           info, config))
     return out
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from workbench.envs import MazeConfig, MazeEnv, system_prompt
+from workbench.envs import MazeConfig, MazeEnv
 from workbench.model import LoraSettings, add_lora
 from workbench.model.presets import build_random
 from workbench.policy import (
@@ -29,25 +29,23 @@ from workbench.policy import (
     append_reply,
     append_user,
     chat_format,
-    encode_image,
     start_stream,
 )
 from workbench.policy.engine import TransformersEngine
 from workbench.policy.graphs import GraphEngine, make_static_decode
-from workbench.rl import user_text
+from workbench.rl.rollout import observe
 
 
 def maze_prompts(lm: Any, sizes: tuple[int, ...] = (9, 11)) -> list[Stream]:
-    """The first prompt of maze k (seed k) of each size: system prompt, rules and image (the
-    GPU-path tests share them)."""
+    """The first prompt of maze k (seed k) of each size, as a rollout builds it
+    (`rl.rollout.observe`; the GPU-path tests share them)."""
     fmt = chat_format(lm.processor)
     out = []
     for k, size in enumerate(sizes):
         config = MazeConfig(size=size, px_per_cell=25)
         obs, info = MazeEnv(config).reset(seed=k)
-        s = start_stream(lm.processor, fmt, system_prompt(config))
-        out.append(append_user(s, lm.processor, fmt, user_text(obs, info, config),
-                               encode_image(lm.processor, obs["image"])))
+        out.append(observe(start_stream(lm.processor, fmt, config.rules()), lm.processor, fmt,
+                           obs, info, config))
     return out
 
 
