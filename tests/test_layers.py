@@ -62,18 +62,25 @@ def module_name(path: Path) -> str:
 MODULES = {module_name(p): p for p in ROOT.rglob("*.py")}
 
 
-def imports_of(name: str) -> list[tuple[str, str]]:
-    """(imported module, imported name or "") for every workbench import in module `name`."""
-    path = MODULES[name]
+def absolute_imports(path: Path) -> list[tuple[str, str]]:
+    """(module, imported name or "") for every absolute import in a file."""
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out += [(a.name, "") for a in node.names if a.name.startswith("workbench")]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
-                and node.module.startswith("workbench"):
-            for a in node.names:
-                full = f"{node.module}.{a.name}"
-                out.append((full, "") if full in MODULES else (node.module, a.name))
+            out += [(a.name, "") for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out += [(node.module, a.name) for a in node.names]
+    return out
+
+
+def imports_of(name: str) -> list[tuple[str, str]]:
+    """(imported module, imported name or "") for every workbench import in module `name`."""
+    out = []
+    for module, imported in absolute_imports(MODULES[name]):
+        if not module.startswith("workbench"):
+            continue
+        full = f"{module}.{imported}"
+        out.append((full, "") if imported and full in MODULES else (module, imported))
     return out
 
 
@@ -198,13 +205,8 @@ BENCHMARKS = sorted((REPO / "benchmarks").glob("*.py"))
 
 def project_imports(path: Path) -> list[tuple[str, str]]:
     """(module, name or "") for every import of the project's own packages in a file."""
-    out = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out += [(a.name, "") for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out += [(node.module, a.name) for a in node.names]
-    return [(m, n) for m, n in out if m.split(".")[0] in ("workbench", "benchmarks", "tests")]
+    return [(m, n) for m, n in absolute_imports(path)
+            if m.split(".")[0] in ("workbench", "benchmarks", "tests")]
 
 
 def test_no_benchmark_imports_a_private_name_or_the_tests() -> None:
