@@ -66,7 +66,7 @@ def bench_env(steps: int = 2000, repeats: int = 5) -> float:
 def bench_sampling(batch: int = 64, new_tokens: int = 8) -> dict[str, float]:
     """Prefill and decode of `batch` first-turn rows of the tiny default (9x9 mazes), through
     the engine's rows as `benchmarks.gpu.time_decode` times every engine."""
-    from workbench.policy.engine import TransformersEngine
+    from workbench.sampler.engine import TransformersEngine
 
     lm = load_model("tiny")
     prompts = first_prompts(lm.processor, MazeConfig(size=9), batch)
@@ -357,7 +357,7 @@ class InstantEngine:
     def play_rows(self, prompts_P: list, n: int, params: SamplingParams, generator: Any,
                   step_row: Any) -> None:
         from workbench.policy import Completion
-        from workbench.policy.vllm_engine import vllm_prompt
+        from workbench.vllm.engine import vllm_prompt
 
         pil_cache: dict[int, Any] = {}
         queue = [(row, stream) for row, stream in enumerate(s for s in prompts_P for _ in range(n))]

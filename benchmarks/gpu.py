@@ -246,7 +246,7 @@ def anchor_rollout(engine: Any, episodes: list[Any], max_tokens: int) -> float:
     are). The prompts are cut before the clock starts. Returns the loop's seconds."""
     from vllm import SamplingParams as VParams
 
-    from workbench.policy.vllm_engine import vllm_prompt
+    from workbench.vllm.engine import vllm_prompt
 
     pil_cache: dict[int, Any] = {}
     parts = [[vllm_prompt(s, pil_cache) for s in turn_segments(ep.stream)] for ep in episodes]
@@ -271,11 +271,11 @@ def anchor_rollout(engine: Any, episodes: list[Any], max_tokens: int) -> float:
 
 def render_check(engine: Any, episodes: list[Any], rows: int = 4) -> dict[str, int]:
     """vLLM's whole rendering of the first `rows` episodes' prompts at every turn against the
-    engine inputs a streamed row makes from its last one (`vllm_render.RowRequests`): the
+    engine inputs a streamed row makes from its last one (`vllm.render.RowRequests`): the
     requests compared and, per field, how many differ. Then vLLM's processor caches are cleared
     (these renders were never sent to its engine core)."""
-    from workbench.policy.vllm_engine import vllm_prompt
-    from workbench.policy.vllm_render import RowRequests, render
+    from workbench.vllm.engine import vllm_prompt
+    from workbench.vllm.render import RowRequests, render
 
     pil_cache: dict[int, Any] = {}
     made = RowRequests(engine.llm, lambda s: vllm_prompt(s, pil_cache))
@@ -339,7 +339,7 @@ def rollout_pace(trainer: Any, host: Any, config: Any, args: argparse.Namespace,
 
 def prompt_counts(llm: Any) -> dict[str, int]:
     """vLLM's counters of prompt tokens, and of those found in its prefix cache."""
-    from workbench.policy.vllm_engine import counter_total
+    from workbench.vllm.engine import counter_total
 
     metrics = llm.get_metrics()
     return {"prompt": counter_total(metrics, "vllm:prompt_tokens"),

@@ -72,7 +72,7 @@ fails while other paths' processes come and go); on the GPU in bf16 (vLLM's LoRA
 bf16), float32 on a CPU (--device cpu, our engine only: the runner's own test)."""
 
 MODES: dict[str, list[str]] = {
-    "ours": ["engine.name=transformers", "speed.cuda_graphs=true"],
+    "ours": ["engine.name=transformers", "engine.cuda_graphs=true"],
     "vllm-adapter": ["engine.name=vllm", "engine.vllm_lora=adapter"],
     "vllm-merged": ["engine.name=vllm", "engine.vllm_lora=merged"],
     "vllm-merged-fp8": ["engine.name=vllm", "engine.vllm_lora=merged", "engine.vllm_fp8=true",

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 python -m benchmarks.merge_precision     # ~15 s on 2 cores
 
-The fused decode path (`speed.fused_decode`, `policy/fused.py`) folds the adapter into a
+The fused decode path (`engine.fused_decode`, `sampler/fused.py`) folds the adapter into a
 bf16 copy of each weight: W + s B A is rounded once to W's bf16 grid. The trainer (and the
 unfused sampler) computes x W and s (x A) B separately. Once the adapter is non-zero, the two
 differ by that rounding: up to half a bf16 step of W per element, whatever the adapter's size.
@@ -31,9 +31,9 @@ from workbench.policy import (
     chat_format,
     start_stream,
 )
-from workbench.policy.engine import TransformersEngine
-from workbench.policy.graphs import GraphEngine, make_static_decode
 from workbench.rl.rollout import observe
+from workbench.sampler.engine import TransformersEngine
+from workbench.sampler.graphs import GraphEngine, make_static_decode
 
 
 def maze_prompts(lm: Any, sizes: tuple[int, ...] = (9, 11)) -> list[Stream]:

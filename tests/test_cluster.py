@@ -88,10 +88,12 @@ def test_engine_seeds() -> None:
 
 
 def test_engines_size_their_kv_pool_for_their_share_of_the_rows() -> None:
-    from workbench.session.spec import ClusterSpec, SessionSpec, SpeedSettings
+    from workbench.policy.engine import EngineSettings
+    from workbench.session.spec import ClusterSpec, SessionSpec
 
-    spec = SessionSpec(speed=SpeedSettings(kv_rows=64), cluster=ClusterSpec("local", num_engines=3))
-    assert engine_spec(spec).speed.kv_rows == 22  # ceil(64 / 3)
+    spec = SessionSpec(engine=EngineSettings(kv_rows=64),
+                       cluster=ClusterSpec("local", num_engines=3))
+    assert engine_spec(spec).engine.kv_rows == 22  # ceil(64 / 3)
     assert engine_spec(spec).cluster == spec.cluster and engine_spec(spec).model == spec.model
 
 
@@ -318,11 +320,12 @@ def test_our_engine_on_ray_is_sized_from_the_model_and_its_kv_pool() -> None:
     from workbench.cluster.workers import check_sampler_memory, sampler_need
     from workbench.model.presets import QWEN3_VL_8B, param_counts, shape_config
     from workbench.model.tokenizer import build_tokenizer
-    from workbench.session import SessionSpec, SpeedSettings
+    from workbench.policy.engine import EngineSettings
+    from workbench.session import SessionSpec
 
     config = shape_config(QWEN3_VL_8B, build_tokenizer(512).get_vocab())
     spec = SessionSpec(dtype="bfloat16", device="cuda",
-                       speed=SpeedSettings(cuda_graphs=True, kv_rows=64, kv_tokens=2048))
+                       engine=EngineSettings(cuda_graphs=True, kv_rows=64, kv_tokens=2048))
     need = sampler_need(spec, config)
     counts = param_counts(config)
     assert need["weights"] == 2 * counts["total"] and need["fused"] == 2 * counts["text_linear"]
@@ -330,9 +333,11 @@ def test_our_engine_on_ray_is_sized_from_the_model_and_its_kv_pool() -> None:
     assert need["workspace"] == 2 * 64 * 151936 * 4 + (need["weights"] + need["fused"]
                                                       + need["kv_pool"]) // 10
     assert need["total"] == sum(v for k, v in need.items() if k != "total")
-    unfused = sampler_need(replace(spec, speed=replace(spec.speed, fused_decode=False)), config)
+    unfused = sampler_need(replace(spec, engine=replace(spec.engine, fused_decode=False)), config)
     assert unfused["fused"] == 0
+    on_cpu = sampler_need(replace(spec, device="cpu"), config)  # no CUDA graphs, no fused copy
+    assert on_cpu["fused"] == 0
     assert check_sampler_memory(spec, config, need["total"]) == need["total"]
     with pytest.raises(RuntimeError, match=r"^our engine \(engine.name=transformers\) needs "
-                       r"5\d\.\d GiB on its GPU .* but 40\.0 GiB is free: lower speed.kv_rows"):
+                       r"5\d\.\d GiB on its GPU .* but 40\.0 GiB is free: lower engine.kv_rows"):
         check_sampler_memory(spec, config, 40 * 2**30)

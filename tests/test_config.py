@@ -219,8 +219,8 @@ def test_seed_gpu_preset_holds_the_seed_recipe() -> None:
     assert cfg.speed.loss_tokens_only and cfg.speed.lora_autocast
     assert cfg.speed.compile_layers and not cfg.speed.gradient_checkpointing
     assert cfg.algorithm.minibatch == 4
-    assert cfg.speed.cuda_graphs and cfg.speed.fused_decode
-    assert cfg.speed.compile_decode
+    assert cfg.engine.cuda_graphs and cfg.engine.fused_decode
+    assert cfg.engine.compile_decode
 
 
 # ------------------------------------------------------------------------- help text
@@ -306,10 +306,37 @@ def test_skyrl_keys_are_accepted_verbatim(override: str) -> None:
     assert flat_keys(apply_overrides(PRESETS["tiny"], [override]))[key] == value
 
 
+OLD_KEYS = {
+    "speed.cuda_graphs=false": ("engine.cuda_graphs", False),
+    "speed.gqa_decode=false": ("engine.gqa_decode", False),
+    "speed.kv_rows=32": ("engine.kv_rows", 32),
+    "speed.kv_tokens=1024": ("engine.kv_tokens", 1024),
+    "speed.bucket=128": ("engine.bucket", 128),
+    "speed.fused_decode=false": ("engine.fused_decode", False),
+    "speed.compile_decode=true": ("engine.compile_decode", True),
+}
+"""The sampler's knobs under their earlier `speed.*` names: now the engine's."""
+
+
+@pytest.mark.parametrize("override", sorted(OLD_KEYS))
+def test_the_samplers_knobs_keep_their_earlier_speed_names(override: str) -> None:
+    key, value = OLD_KEYS[override]
+    assert flat_keys(apply_overrides(PRESETS["tiny"], [override]))[key] == value
+
+
+def test_a_saved_config_with_the_knobs_under_speed_reads_back_under_engine() -> None:
+    from workbench.config import from_dict, to_dict
+
+    config = apply_overrides(PRESETS["seed_gpu"], ["engine.kv_rows=48"])
+    old = to_dict(config)
+    old["speed"] |= {k: old["engine"].pop(k) for k in ("cuda_graphs", "kv_rows", "bucket")}
+    assert from_dict(old) == config
+
+
 def test_skyrl_aliases_all_have_a_test() -> None:
     from workbench.config import ALIASES
 
-    assert set(ALIASES) <= {o.split("=")[0] for o in SKYRL_KEYS}
+    assert set(ALIASES) <= {o.split("=")[0] for o in SKYRL_KEYS | OLD_KEYS}
 
 
 def test_each_knob_is_declared_once_by_the_record_a_session_is_opened_with() -> None:
@@ -334,13 +361,13 @@ def test_each_knob_is_declared_once_by_the_record_a_session_is_opened_with() -> 
 def test_a_session_spec_is_the_config_sections_with_what_the_run_fills_in(tmp_path) -> None:
     from workbench.opener import read_spec, session_spec, write_spec
 
-    config = apply_overrides(PRESETS["tiny"], ["trainer.train_batch_size=3", "speed.kv_rows=0",
+    config = apply_overrides(PRESETS["tiny"], ["trainer.train_batch_size=3", "engine.kv_rows=0",
                                                "lora.target_modules=q_proj,v_proj"])
     spec = session_spec(config, tmp_path)
     assert spec.lora == config.lora and spec.lora.target_modules == ("q_proj", "v_proj")
     assert spec.cluster is config.cluster
-    assert spec.speed.kv_rows == 3 * 8 and spec.engine.max_images == 15
-    assert not spec.speed.cuda_graphs  # a CPU run: no CUDA graphs, whatever speed.cuda_graphs
+    assert spec.engine.kv_rows == 3 * 8 and spec.engine.max_images == 15
+    assert spec.engine.cuda_graphs  # the run's setting; the host builds graphs on CUDA only
     write_spec(spec)
     assert read_spec(tmp_path) == spec
 

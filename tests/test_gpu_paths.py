@@ -28,8 +28,8 @@ from workbench.model.tokenizer import build_tokenizer
 from workbench.policy import (
     chat_format,
 )
-from workbench.policy.engine import TransformersEngine
 from workbench.policy.forward import token_logprobs
+from workbench.sampler.engine import TransformersEngine
 from workbench.session import SpeedSettings
 
 CUDA = torch.cuda.is_available()
@@ -81,8 +81,8 @@ def test_preset_processor_uses_qwen3vl_pixel_bounds(small) -> None:
 
 
 def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
-    from workbench.policy.attention import use_gqa_decode_attention
-    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.sampler.attention import use_gqa_decode_attention
+    from workbench.sampler.graphs import GraphEngine, make_static_decode
 
     prompts = maze_prompts(small)
     eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
@@ -105,8 +105,8 @@ def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
 def test_fused_decode_matches_the_eager_sampler(small, compiled: bool) -> None:
     """Merged LoRA + fused projections + one function a layer (eager, or through torch.compile:
     inductor's CPU backend here, its CUDA backend on the H200) == transformers and peft."""
-    from workbench.policy.fused import layer_step
-    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.sampler.fused import layer_step
+    from workbench.sampler.graphs import GraphEngine, make_static_decode
 
     prompts = maze_prompts(small)
     eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
@@ -128,7 +128,7 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
     import warnings
 
     from workbench.policy import graphs
-    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.sampler.graphs import GraphEngine, make_static_decode
     from workbench.session.host import speed_metrics
 
     def failing_capture(*args, **kwargs):
@@ -143,12 +143,12 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
         warnings.simplefilter("default")  # Python's default: once per place
         fallen = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
-    assert lines == ["speed.cuda_graphs fell back to the slower path: RuntimeError: CUDA "
+    assert lines == ["engine.cuda_graphs fell back to the slower path: RuntimeError: CUDA "
                      "error: operation not permitted when stream is capturing"]
     assert not static.use_graphs
     assert [[c.tokens for c in turn] for turn in fallen] == \
         [[c.tokens for c in turn] for turn in eager]
-    host = SimpleNamespace(static=static, engine=None, speed=SpeedSettings(cuda_graphs=True))
+    host = SimpleNamespace(engine=SimpleNamespace(static=static), speed=SpeedSettings())
     assert {k: v for k, v in speed_metrics(host).items() if k.startswith("speed/")} == {
         "speed/cuda_graphs": 0.0}
 
@@ -158,8 +158,8 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
     eager step once, with one RuntimeWarning; the samples are the eager ones."""
     import warnings
 
-    from workbench.policy.fused import layer_step
-    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.sampler.fused import layer_step
+    from workbench.sampler.graphs import GraphEngine, make_static_decode
     from workbench.session.host import speed_metrics
 
     def broken(*args, **kwargs):
@@ -174,13 +174,12 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
         warnings.simplefilter("default")
         fallen = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)
     lines = [str(w.message) for w in caught if w.category is RuntimeWarning]
-    assert lines == ["speed.compile_decode fell back to the slower path: "
+    assert lines == ["engine.compile_decode fell back to the slower path: "
                      "RuntimeError: inductor: no C compiler"]
     assert static.layer_step is layer_step
     assert [[c.tokens for c in turn] for turn in fallen] == \
         [[c.tokens for c in turn] for turn in eager]
-    host = SimpleNamespace(static=static, engine=None, speed=SpeedSettings(cuda_graphs=True,
-                                                               compile_decode=True))
+    host = SimpleNamespace(engine=SimpleNamespace(static=static), speed=SpeedSettings())
     assert {k: v for k, v in speed_metrics(host).items() if k.startswith("speed/")} == {
         "speed/cuda_graphs": 0.0, "speed/compile_decode": 0.0}
 
@@ -188,7 +187,8 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
 def test_fused_weights_follow_the_sampler_version(small) -> None:
     """A new version re-merges the adapter in place: the decode step sees the new weights, and
     the fused tensors keep their addresses (captured graphs read them)."""
-    from workbench.policy.fused import fuse_weights, merged_weight, refresh
+    from workbench.model.lora import merged_weight
+    from workbench.sampler.fused import fuse_weights, refresh
 
     model = small.model
     layer = model.get_base_model().model.language_model.layers[0]
@@ -307,7 +307,7 @@ def test_gqa_attention_matches_sdpa(queries: int) -> None:
 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from workbench.policy.attention import gqa_decode_attention
+    from workbench.sampler.attention import gqa_decode_attention
 
     g = torch.Generator().manual_seed(queries)
     q = torch.randn(3, 8, queries, 16, generator=g).transpose(1, 2).contiguous().transpose(1, 2)
@@ -346,7 +346,7 @@ def test_loss_tokens_only_matches_full_logprobs(small) -> None:
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("fused,compiled", [(False, False), (True, False), (True, True)])
 def test_graph_decode_matches_eager_on_cuda(fused: bool, compiled: bool) -> None:
-    from workbench.policy.graphs import GraphEngine, make_static_decode
+    from workbench.sampler.graphs import GraphEngine, make_static_decode
 
     lm = build_random("qwen3-vl-small-shape", dtype=torch.float32, device="cuda")
     lm.model = add_lora(lm.model, LoraSettings(rank=8, alpha=16)).eval()

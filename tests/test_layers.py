@@ -23,6 +23,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("workbench.loggers",),
     ("workbench.envs", "workbench.model"),
     ("workbench.policy",),
+    ("workbench.sampler", "workbench.vllm"),
+    ("workbench.engines",),
     ("workbench.session",),
     ("workbench.storage",),
     ("workbench.cluster",),
@@ -39,12 +41,15 @@ APART = {
     "workbench.envs": ("workbench.model",),
     "workbench.model": ("workbench.envs",),
     "workbench.policy": ("workbench.envs",),
+    "workbench.sampler": ("workbench.envs", "workbench.vllm"),
+    "workbench.vllm": ("workbench.envs", "workbench.sampler"),
+    "workbench.engines": ("workbench.envs",),
     "workbench.session": ("workbench.envs",),
     "workbench.storage": ("workbench.envs",),
     "workbench.cluster": ("workbench.envs",),
 }
 """Packages of the same or a higher layer that must not import these: the maze lives in envs and
-above the config, the model beside it."""
+above the config, the model beside it; our sampler and vLLM know nothing of each other."""
 
 
 def layer_of(module: str) -> int:

@@ -212,7 +212,7 @@ def test_02_rollouts_takes_the_seed_recipe_by_its_parameters(kernel: str, tiny_d
     m = run_notebook("02_rollouts", kernel, tmp_path, BASE_MODEL=str(tiny_dir), PRESET="seed_gpu",
                      DEVICE="cpu", MAX_TURNS=2, SAMPLES_PER_MAZE=2, OVERRIDES=[
                          "model.dtype=float32", "engine.name=transformers",
-                         "speed.compile_decode=false", "speed.compile_layers=false",
+                         "engine.compile_decode=false", "speed.compile_layers=false",
                          "algorithm.advantage=parity"])
     assert m["recipe"] == {"device": "cpu", "dtype": "float32", "engine": "transformers",
                            "lora_rank": 32, "max_tokens": 32}

@@ -17,17 +17,13 @@ from workbench.policy import (
     append_reply,
     append_user,
     chat_format,
-    decode,
     encode_image,
-    extend,
     masked_log_softmax,
-    open_batch,
-    sample,
-    select_rows,
     start_stream,
     token_logprobs,
 )
 from workbench.rl import play_model, user_text
+from workbench.sampler.batch import decode, extend, open_batch, sample, select_rows
 
 SMALL = MazeConfig(size=5, max_turns=4)  # one image token per observation (merge 7)
 

@@ -124,11 +124,11 @@ def client(local_store: storage.Store, tiny_dir: Path):
     from starlette.testclient import TestClient
 
     from workbench.serve.app import build_app
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
     settings = ServeSettings(model=str(tiny_dir), served_name="tiny", adapters=local_store.root,
                              cache_size=2, api_key_sha256=key_hash(KEY))
-    engine = open_engine(settings)
+    engine = open_replica(settings)
     with TestClient(build_app(engine), headers={"Authorization": f"Bearer {KEY}"}) as c:
         c.engine = engine
         yield c
@@ -199,10 +199,10 @@ def test_an_episode_through_the_endpoint_is_the_greedy_rollout(sft_model: str) -
     from workbench.rl import play_model
     from workbench.serve.app import build_app
     from workbench.serve.client import play_via_endpoint
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
     config, states = MazeConfig(size=5, max_turns=6), eval_set(5, 3)
-    app = build_app(open_engine(ServeSettings(model=sft_model, served_name="sft")))
+    app = build_app(open_replica(ServeSettings(model=sft_model, served_name="sft")))
     client = OpenAI(base_url="http://testserver/v1", api_key="-", http_client=TestClient(app))
     reference = play_model(load_model(sft_model), config, states, 1,
                            SamplingParams(max_tokens=2, temperature=0.0))

@@ -48,11 +48,11 @@ def openai_client(adapter: Path, tiny_sft_dir: Path,
     from starlette.testclient import TestClient
 
     from workbench.serve.app import build_app
-    from workbench.serve.engine import open_transformers_engine
+    from workbench.serve.engine import open_transformers_replica
 
     store = storage.open_store(tmp_path_factory.mktemp("registry"))
     registry.publish(store, adapter, "trained")
-    engine = open_transformers_engine(ServeSettings(model=str(tiny_sft_dir), served_name="sft",
+    engine = open_transformers_replica(ServeSettings(model=str(tiny_sft_dir), served_name="sft",
                                                     adapters=store.root))
     with TestClient(build_app(engine)) as http:
         yield openai.OpenAI(base_url="http://testserver/v1", api_key="-", http_client=http,

@@ -34,9 +34,9 @@ import torch
 from workbench import registry, storage
 from workbench.envs import MazeConfig, MazeEnv, eval_set, system_prompt
 from workbench.policy import chat_format, encode_image
-from workbench.policy.vllm_engine import BAN_BIAS, prompt_token_ids, row_seeds
 from workbench.rl.rollout import user_text
 from workbench.serve import ServeSettings, image_data_url, render_messages
+from workbench.vllm.engine import BAN_BIAS, prompt_token_ids, row_seeds
 
 MAZE = MazeConfig(size=5, max_turns=4)
 WORDS = {None: "up", "a0": "left", "a1": "right", "a2": "down"}  # the fake's reply per adapter
@@ -198,9 +198,9 @@ def client(fake_vllm: FakeAsyncVLLM, store: storage.Store, tiny_dir: Path) -> It
 
     from workbench.serve.app import build_app
     from workbench.serve.engine import close_engine
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
-    engine = open_engine(_settings(tiny_dir, store))
+    engine = open_replica(_settings(tiny_dir, store))
     with TestClient(build_app(engine)) as c:
         c.engine = engine
         yield c
@@ -229,11 +229,11 @@ def test_engine_choice_is_checked_in_one_line() -> None:
 
 def test_vllm_missing_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
                                            tiny_dir: Path) -> None:
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     with pytest.raises(ImportError) as err:
-        open_engine(ServeSettings(model=str(tiny_dir), engine="vllm"))
+        open_replica(ServeSettings(model=str(tiny_dir), engine="vllm"))
     message = str(err.value)
     assert "\n" not in message and "engine='vllm' needs the vllm package" in message
     assert "pip install 'workbench[gpu]'" in message and "engine='transformers'" in message
@@ -272,7 +272,7 @@ def test_engine_is_built_with_lora_slots_prefix_caching_and_memory_share(
     engine = client.engine
     (kwargs,) = fake_vllm.engine_args
     assert kwargs == {
-        "model": engine.lm.path, "tokenizer": engine.lm.path, "dtype": "bfloat16",
+        "model": engine.lm.path, "tokenizer": engine.lm.path, "dtype": "bfloat16", "seed": 0,
         "gpu_memory_utilization": 0.3, "enable_prefix_caching": True, "enable_lora": True,
         "max_lora_rank": 8,  # the adapters are r4; vLLM's smallest slot rank that holds 4 is 8
         "max_loras": 2, "max_cpu_loras": 2,  # cache_size
@@ -370,7 +370,7 @@ def test_a_vision_lora_adapter_is_refused_by_vllm_and_served_by_transformers(
 
     from workbench.model import LoraSettings
     from workbench.serve.app import build_app
-    from workbench.serve.engine import open_transformers_engine
+    from workbench.serve.engine import open_transformers_replica
     from workbench.serve.vllm_async import vision_modules
 
     folder = export_adapter(tiny_dir, tmp_path / "vis", LoraSettings(4, 8, vision=True), 7)
@@ -388,7 +388,7 @@ def test_a_vision_lora_adapter_is_refused_by_vllm_and_served_by_transformers(
     assert fake_vllm.calls == [] and "vis" not in client.engine.resident
     assert vision_modules(Path(store.root) / "adapters" / "a0") == []  # language-only
     assert _chat(client, "tiny:a0")[0] == 200
-    engine = open_transformers_engine(ServeSettings(model=str(tiny_dir), served_name="tiny",
+    engine = open_transformers_replica(ServeSettings(model=str(tiny_dir), served_name="tiny",
                                                     adapters=store.root))
     with TestClient(build_app(engine)) as plain:
         status, body = _chat(plain, "tiny:vis")
@@ -407,9 +407,9 @@ def test_past_max_queue_429_and_past_the_time_504_with_the_request_cancelled(
 
     from workbench.serve.app import build_app
     from workbench.serve.engine import close_engine
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
-    engine = open_engine(_settings(tiny_dir, store, max_queue=1, request_timeout_s=1.0))
+    engine = open_replica(_settings(tiny_dir, store, max_queue=1, request_timeout_s=1.0))
     body = {"model": "tiny:a0", "messages": _messages(), "max_tokens": 4}
     fake_vllm.barrier = 2
     with TestClient(build_app(engine)) as client, cf.ThreadPoolExecutor(1) as pool:

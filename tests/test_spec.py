@@ -36,10 +36,10 @@ def test_the_spec_carries_every_setting_of_the_config(run) -> None:
     assert spec == session_spec(config, run_dir)
     assert spec.model == config.model.name and (spec.dtype, spec.device) == ("float32", "cpu")
     assert spec.lora == config.lora
-    assert spec.speed == SpeedSettings(kv_rows=3 * 4, gradient_checkpointing=True,
-                                       selective_checkpointing=True, loss_tokens_only=True,
-                                       lora_autocast=True)
+    assert spec.speed == SpeedSettings(gradient_checkpointing=True, selective_checkpointing=True,
+                                       loss_tokens_only=True, lora_autocast=True)
     assert spec.engine.max_images == config.generator.max_turns
+    assert spec.engine.kv_rows == 3 * 4
     assert spec.cluster == ClusterSpec()
 
 
@@ -83,8 +83,10 @@ def test_a_spec_round_trips_through_its_file(tmp_path: Path) -> None:
     from workbench.policy.engine import EngineSettings
 
     spec = SessionSpec("tiny", LoraSettings(rank=8, alpha=16, vision=True), str(tmp_path),
-                       "bfloat16", "cuda", EngineSettings("vllm", 0.3, max_images=9),
-                       SpeedSettings(cuda_graphs=True, compile_decode=True),
+                       "bfloat16", "cuda",
+                       EngineSettings("vllm", 0.3, max_images=9, cuda_graphs=True,
+                                      compile_decode=True),
+                       SpeedSettings(compile_layers=True),
                        ClusterSpec("ray://127.0.0.1:10001", num_workers=2, strategy="fsdp"))
     write_spec(spec)
     assert read_spec(tmp_path) == spec

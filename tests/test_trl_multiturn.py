@@ -69,7 +69,7 @@ def test_the_gpu_run_hands_vllm_one_pad_per_image(tiny_dir: Path) -> None:
     """benchmarks/trl_gpu.py's patch of TRL 1.16 (issue #6294): each image's run of pads cut to
     one, exactly what the workbench's own vLLM engine sends for the same stream."""
     from benchmarks.trl_gpu import one_pad_per_image
-    from workbench.policy.vllm_engine import prompt_token_ids
+    from workbench.vllm.engine import prompt_token_ids
 
     processor = tool_processor(tiny_dir)
     fmt, env = chat_format(processor), MazeEnv(TASK)

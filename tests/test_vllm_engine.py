@@ -24,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from workbench.config import ConfigError, RunConfig, apply_overrides
+from workbench.engines import make_engine
 from workbench.envs import (
     MazeConfig,
     MazeEnv,
@@ -43,27 +44,24 @@ from workbench.policy import (
     encode_image,
     start_stream,
 )
-from workbench.policy.engine import EngineSettings, TransformersEngine
-from workbench.policy.engines import make_engine
-from workbench.policy.vllm_engine import (
+from workbench.policy.engine import EngineSettings
+from workbench.rl import phases
+from workbench.rl.rollout import observe, play_episodes
+from workbench.sampler.engine import TransformersEngine
+from workbench.session import Session, SessionSpec, create_session, datum_from_stream
+from workbench.session.types import AdamParams
+from workbench.vllm.args import check_memory_share, checked_max_len, engine_kwargs, max_lora_rank
+from workbench.vllm.engine import (
     BAN_BIAS,
     VLLMEngine,
-    check_memory_share,
     check_prompt,
-    checked_max_len,
-    engine_kwargs,
     expand_image_pads,
-    max_lora_rank,
     prompt_token_ids,
     to_completion,
     turn_seed,
     vllm_prompt,
 )
-from workbench.policy.vllm_render import RowRequests, old_items
-from workbench.rl import phases
-from workbench.rl.rollout import observe, play_episodes
-from workbench.session import Session, SessionSpec, create_session, datum_from_stream
-from workbench.session.types import AdamParams
+from workbench.vllm.render import RowRequests, old_items
 
 LORA = LoraSettings(rank=8, alpha=16)
 SMALL = MazeConfig(size=5, max_turns=4)
@@ -598,7 +596,7 @@ def test_merged_lora_loads_each_version_into_vllms_weights(fake_vllm: FakeVLLM, 
         engine=EngineSettings("vllm", gpu_memory_utilization=0.3, vllm_lora="merged")))
     try:
         kwargs = fake_vllm.llm_kwargs[-1]
-        assert kwargs["worker_extension_cls"] == "workbench.policy.vllm_merged.MergedWeightsWorker"
+        assert kwargs["worker_extension_cls"] == "workbench.vllm.merged.MergedWeightsWorker"
         assert not {"enable_lora", "max_lora_rank", "max_loras"} & kwargs.keys()
         model, tc = session.host.lm.model, session.training_client
         gen = torch.Generator().manual_seed(0)
@@ -689,8 +687,8 @@ def test_a_colocated_trainer_hands_each_version_to_an_engine_without_the_model(
     weights vLLM loads equal to what the in-process push sends; adapter, the version's PEFT
     folder written where the engine's vLLM reads it. The engine samples that version; an
     older one it cannot merge is refused in one line."""
-    from workbench.policy.vllm_merged import merged_weights
     from workbench.session import host
+    from workbench.vllm.merged import merged_weights
 
     trainer, engine = _colocated_pair(tiny_dir, tmp_path / "w", vllm_lora, monkeypatch)
     assert {p.device.type for p in engine.host.lm.model.parameters()} == {"meta"}
@@ -770,7 +768,7 @@ def test_fp8_vllm_reloads_each_merged_version_layer_by_layer(
 def test_a_reload_that_quantised_nothing_or_part_of_a_layer_is_refused() -> None:
     """end_weights' check of vLLM's reload records: every layer either done (reset) or loaded
     in full; none done, or one with part of its weights, is a version that did not load."""
-    from workbench.policy.vllm_merged import reload_counts
+    from workbench.vllm.merged import reload_counts
 
     def info(done: bool, loaded: int = 0, total: int = 10) -> Any:
         return types.SimpleNamespace(can_load=lambda: not done, load_numel=loaded,
@@ -814,7 +812,7 @@ def test_ray_sampler_engine_merges_versions_in_process(fake_vllm: FakeVLLM, tiny
     where CUDA IPC cannot work: a merged version goes to vLLM's worker as the tensors themselves,
     and what it loads equals the trainer's merge."""
     from workbench.cluster.workers import SamplerEngine
-    from workbench.policy.fused import merged_weight
+    from workbench.model.lora import merged_weight
     from workbench.session.host import sample, snapshot
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -847,8 +845,8 @@ def test_vllm_session_samples_beside_the_trainer(fake_vllm: FakeVLLM, tiny_dir: 
     a rollout whose version merge waits for a forward_backward and optim_step submitted after
     it gets them (on one lane they would queue behind it and the wait would time out), and it
     samples its version's snapshot, not the weights the trainer moved meanwhile."""
-    from workbench.policy.fused import merged_weight
-    from workbench.policy.vllm_merged import lora_linears, snapshot_factors
+    from workbench.model.lora import merged_weight
+    from workbench.vllm.merged import lora_linears, snapshot_factors
 
     session = create_session(SessionSpec(
         str(tiny_dir), LORA, workdir=str(tmp_path / "lanes"), dtype="bfloat16",
@@ -1205,7 +1203,7 @@ def test_real_vllm_samples_each_weight_version(tiny_dir: Path, tmp_path: Path, t
 def test_vllm_missing_names_the_key_and_what_to_use_instead(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """One install hint for the sampler and the endpoint, naming what asked for vLLM."""
-    from workbench.policy.vllm_engine import import_vllm
+    from workbench.vllm.args import import_vllm
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm now raises ImportError
     with pytest.raises(ImportError, match=r"engine.name=vllm needs the vllm package .* use "

@@ -34,10 +34,11 @@ from workbench.config import (
     describe_keys,
     preset,
 )
+from workbench.engines import ENGINES
 from workbench.estimate import EstimateError
 from workbench.registry import ForeignBaseError, RegistryError
 from workbench.rl.replay import ReplayError
-from workbench.serve.engine import ENGINES, ServeSettings
+from workbench.serve.engine import ServeSettings
 from workbench.storage import StorageError
 
 
@@ -266,7 +267,7 @@ def _serving_commands(sub: argparse._SubParsersAction) -> None:
                    "'' = this process, one replica, no Ray")
     s.add_argument("--num-cpus", type=int, default=0, help="CPUs of a local Ray (0 = all)")
     s.add_argument("--temp-dir", default="", help="temp/log folder of a local Ray")
-    s.add_argument("--engine", default="transformers", choices=ENGINES,
+    s.add_argument("--engine", default="transformers", choices=tuple(ENGINES),
                    help="transformers (CPU or GPU, one request at a time) or vllm (GPU: vLLM's "
                         "async engine, concurrent requests batch)")
     s.add_argument("--gpu-memory-utilization", type=float, default=0.5,

@@ -25,13 +25,13 @@ from typing import Any
 from workbench import loggers
 from workbench.advantages import ADVANTAGES
 from workbench.deps import require
+from workbench.engines import ENGINES
 from workbench.envs import GRAMMARS, REWARDS
 from workbench.envs.env import OBSERVATIONS
 from workbench.envs.protocol import Task
 from workbench.envs.tasks import TASKS
 from workbench.model.lora import LoraSettings
 from workbench.policy.engine import EngineSettings
-from workbench.policy.engines import ENGINES
 from workbench.session.losses import LOSSES, REDUCTIONS
 from workbench.session.spec import ClusterSpec, SpeedSettings
 
@@ -291,10 +291,10 @@ class RunConfig:
     lora: LoraSettings = field(default_factory=lambda: LoraSettings(vision=True))
     env: EnvConfig = field(default_factory=EnvConfig)
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
-    engine: EngineSettings = field(default_factory=EngineSettings)
+    engine: EngineSettings = field(default_factory=lambda: EngineSettings(cuda_graphs=True))
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    speed: SpeedSettings = field(default_factory=lambda: SpeedSettings(cuda_graphs=True))
+    speed: SpeedSettings = field(default_factory=SpeedSettings)
     eval: EvalConfig = field(default_factory=EvalConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     cluster: ClusterSpec = field(default_factory=ClusterSpec)
@@ -361,6 +361,11 @@ def _field_type(cls: type, name: str) -> Any:
     return typing.get_type_hints(cls)[name]
 
 
+SAMPLER_KNOBS = ("cuda_graphs", "gqa_decode", "kv_rows", "kv_tokens", "bucket", "fused_decode",
+                 "compile_decode")
+"""Our sampler's knobs, once under `speed.*` and now the engine's: the old keys are accepted as
+overrides (ALIASES) and in a saved config (`from_dict`)."""
+
 ALIASES = {
     "trainer.placement.colocate_all": "cluster.colocate_all",
     "trainer.placement.policy_num_gpus_per_node": "cluster.num_workers",
@@ -377,11 +382,12 @@ ALIASES = {
     "trainer.gradient_checkpointing": "speed.gradient_checkpointing",
     "trainer.fp8_base": "speed.fp8_base",
     "trainer.algorithm.tis_imp_ratio_cap": "algorithm.tis_cap",
-}
+} | {f"speed.{knob}": f"engine.{knob}" for knob in SAMPLER_KNOBS}
 """SkyRL's keys that live in another section here, accepted verbatim; the keys the seed quotes
 under their SkyRL names (generator.n_samples_per_prompt, generator.max_turns,
 trainer.ckpt_interval, trainer.resume_mode, trainer.hf_save_interval, trainer.eval_interval,
-trainer.train_batch_size) are this config's own."""
+trainer.train_batch_size) are this config's own. The earlier `speed.<knob>` spellings of the
+sampler's knobs (SAMPLER_KNOBS) map to `engine.<knob>`."""
 
 
 def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
@@ -548,9 +554,20 @@ def build_record(cls: Any, data: dict[str, Any], where: str = "") -> Any:
     return cls(**values)
 
 
+def knobs_moved(data: dict[str, Any]) -> dict[str, Any]:
+    """A saved config or session spec (asdict form) with the sampler's knobs that an older
+    version kept under `speed` (SAMPLER_KNOBS) moved to `engine`, where they live now."""
+    speed = dict(data.get("speed") or {})
+    moved = {knob: speed.pop(knob) for knob in SAMPLER_KNOBS if knob in speed}
+    if not moved:
+        return data
+    return data | {"speed": speed, "engine": dict(data.get("engine") or {}) | moved}
+
+
 def from_dict(data: dict[str, Any]) -> RunConfig:
-    """Inverse of to_dict (values kept exactly); unknown keys raise ConfigError."""
-    config = build_record(RunConfig, data)
+    """Inverse of to_dict (values kept exactly; a saved config of an older layout read through
+    `knobs_moved`); unknown keys raise ConfigError."""
+    config = build_record(RunConfig, knobs_moved(data))
     validate(config)
     return config
 
@@ -570,9 +587,10 @@ PRESETS: dict[str, RunConfig] = {
         # samples with the adapter merged into its weights in a 0.3 share beside the trainer;
         # bf16 LoRA, compiled layers, cuDNN's attention, no checkpointing at 4 episodes a call.
         # engine.name=transformers keeps our engine (compiled fused decode, CUDA graphs).
-        engine=EngineSettings(name="vllm", gpu_memory_utilization=0.3, vllm_lora="merged"),
-        speed=SpeedSettings(cuda_graphs=True, compile_decode=True, loss_tokens_only=True,
-                            lora_autocast=True, compile_layers=True, cudnn_attention=True),
+        engine=EngineSettings(name="vllm", gpu_memory_utilization=0.3, vllm_lora="merged",
+                              cuda_graphs=True, compile_decode=True),
+        speed=SpeedSettings(loss_tokens_only=True, lora_autocast=True, compile_layers=True,
+                            cudnn_attention=True),
         trainer=TrainerConfig(total_steps=100, train_batch_size=8, ckpt_interval=20,
                               hf_save_interval=20, eval_interval=10),
         algorithm=AlgorithmConfig(learning_rate=1e-5, minibatch=4),

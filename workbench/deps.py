@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 from types import ModuleType
 
 EXTRAS: dict[str, str] = {
@@ -34,3 +35,10 @@ def require(module: str) -> ModuleType:
             f"{top!r} is needed for this feature but is not installed: "
             f"pip install 'workbench[{extra}]' (or `make setup`)"
         ) from err
+
+
+def warn_fallback(path: str, reason: str) -> None:
+    """The one line a fast path that fell back prints, with the reason (the host's `speed/*`
+    metrics then show 0 for it)."""
+    warnings.warn(f"{path} fell back to the slower path: {reason[:300]}", RuntimeWarning,
+                  stacklevel=2)

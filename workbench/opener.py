@@ -15,7 +15,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from workbench.config import ConfigError, RunConfig, build_record
+from workbench.config import ConfigError, RunConfig, build_record, knobs_moved
 from workbench.model.load import model_name_problem
 from workbench.session.protocols import SessionLike
 from workbench.session.spec import SessionSpec
@@ -28,17 +28,14 @@ def session_spec(config: RunConfig, workdir: str | Path, full_finetune: bool = F
     """The session a run of `config` opens in `workdir` (full_finetune: no LoRA, every weight
     trains, as SFT's sft.full_finetune; model: another base than model.name, e.g. a run's SFT
     model or an evaluated checkpoint). The records are the config's own sections, with what
-    they leave to the run filled in: one image per turn, a KV pool of P x G rows, and CUDA
-    graphs only on a CUDA device with the transformers engine."""
-    engine, speed, g = config.engine, config.speed, config.generator
-    graphs = speed.cuda_graphs and engine.name == "transformers" \
-        and config.model.device.startswith("cuda")
+    they leave to the run filled in: one image per turn and a KV pool of P x G rows."""
+    engine, g = config.engine, config.generator
     return SessionSpec(
         model=model or config.model.name, lora=None if full_finetune else config.lora,
         workdir=str(workdir), dtype=config.model.dtype, device=config.model.device,
-        engine=replace(engine, max_images=engine.max_images or g.max_turns),
-        speed=replace(speed, cuda_graphs=graphs, kv_rows=speed.kv_rows
-                      or config.trainer.train_batch_size * g.n_samples_per_prompt),
+        engine=replace(engine, max_images=engine.max_images or g.max_turns, kv_rows=engine.kv_rows
+                       or config.trainer.train_batch_size * g.n_samples_per_prompt),
+        speed=config.speed,
         cluster=config.cluster)
 
 
@@ -76,4 +73,5 @@ def write_spec(spec: SessionSpec) -> Path:
 
 def read_spec(workdir: str | Path) -> SessionSpec:
     """The SessionSpec a session in `workdir` was opened with."""
-    return build_record(SessionSpec, json.loads((Path(workdir) / SPEC_FILE).read_text()))
+    data = json.loads((Path(workdir) / SPEC_FILE).read_text())
+    return build_record(SessionSpec, knobs_moved(data))

@@ -38,7 +38,7 @@ import torch
 
 from workbench import run as rundir
 from workbench import storage
-from workbench.config import ConfigError, RunConfig, to_dict
+from workbench.config import ConfigError, RunConfig, knobs_moved, to_dict
 from workbench.model.tiny import cache_root
 from workbench.session.checkpoint import (
     COMPLETE,
@@ -341,7 +341,7 @@ def config_changes(saved: dict[str, Any], config: RunConfig) -> tuple[list[str],
     """(allowed, refused) changes from a checkpoint's saved config to `config`, each as
     'key old -> new' (values as JSON). A key the saved config lacks (added since) counts as
     its default; keys in HOW_TO_START are not compared."""
-    old, new = _flat(saved), _jsonable(config)
+    old, new = _flat(knobs_moved(saved)), _jsonable(config)
     defaults = _jsonable(RunConfig())
     allowed: list[str] = []
     refused: list[str] = []

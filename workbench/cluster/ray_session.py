@@ -278,8 +278,8 @@ def engine_spec(spec: SessionSpec) -> SessionSpec:
     """The spec each of M engines is built from: a rollout's rows are split over the engines,
     so each one's CUDA-graph KV pool is sized for ceil(kv_rows / M) rows (grown if exceeded)."""
     engines = max(spec.cluster.num_engines, 1)
-    rows = -(-spec.speed.kv_rows // engines)
-    return replace(spec, speed=replace(spec.speed, kv_rows=rows))
+    rows = -(-spec.engine.kv_rows // engines)
+    return replace(spec, engine=replace(spec.engine, kv_rows=rows))
 
 
 def create_ray_session(spec: SessionSpec) -> RaySession:

@@ -34,6 +34,7 @@ from workbench.cluster import weight_sync
 from workbench.cluster.metrics import GaugeSet
 from workbench.cluster.parallel import all_reduce_grads, shard_frozen_base
 from workbench.cluster.weight_sync import GROUP_TIMEOUT
+from workbench.policy.engine import uses_cuda_graphs
 from workbench.session import host
 from workbench.session.host import ModelHost
 from workbench.session.spec import SessionSpec
@@ -80,17 +81,17 @@ def remote_call(actor: Any, method: str, *args: Any) -> Any:
 def sampler_need(spec: SessionSpec, config: Any) -> dict[str, int]:
     """GPU bytes our engine (engine.name=transformers) takes in a Ray actor, from the model's
     config and the spec: its copy of the weights, the fused decode copy of the text matrices
-    (speed.fused_decode), the KV pool of speed.kv_rows x speed.kv_tokens, and a workspace of
+    (engine.fused_decode), the KV pool of engine.kv_rows x engine.kv_tokens, and a workspace of
     two float32 logit rows per KV row plus a tenth of the rest."""
     from workbench.model.presets import param_counts
 
     text, size = config.text_config, torch.empty((), dtype=spec.torch_dtype).element_size()
     counts = param_counts(config)
     weights = counts["total"] * size
-    fused = counts["text_linear"] * size if spec.speed.cuda_graphs and spec.speed.fused_decode \
-        else 0
-    rows = spec.speed.kv_rows or 64
-    kv = rows * spec.speed.kv_tokens * text.num_hidden_layers * 2 * text.num_key_value_heads \
+    graphs = uses_cuda_graphs(spec.engine, spec.device)
+    fused = counts["text_linear"] * size if graphs and spec.engine.fused_decode else 0
+    rows = spec.engine.kv_rows or 64
+    kv = rows * spec.engine.kv_tokens * text.num_hidden_layers * 2 * text.num_key_value_heads \
         * text.head_dim * size
     work = 2 * rows * text.vocab_size * 4 + (weights + fused + kv) // 10
     return {"weights": weights, "fused": fused, "kv_pool": kv, "workspace": work,
@@ -107,10 +108,10 @@ def check_sampler_memory(spec: SessionSpec, config: Any, free_bytes: int) -> int
     raise RuntimeError(
         f"our engine (engine.name=transformers) needs {gib['total']:.1f} GiB on its GPU "
         f"(weights {gib['weights']:.1f}, fused decode copy {gib['fused']:.1f}, KV pool of "
-        f"{spec.speed.kv_rows or 64} rows x {spec.speed.kv_tokens} tokens {gib['kv_pool']:.1f}, "
+        f"{spec.engine.kv_rows or 64} rows x {spec.engine.kv_tokens} tokens {gib['kv_pool']:.1f}, "
         f"workspace {gib['workspace']:.1f}) but {free_bytes / 2**30:.1f} GiB is free: lower "
-        "speed.kv_rows / speed.kv_tokens, set speed.fused_decode=false, give it a GPU of its own "
-        "(cluster.colocate_all=false), or sample with engine.name=vllm")
+        "engine.kv_rows / engine.kv_tokens, set engine.fused_decode=false, give it a GPU of its "
+        "own (cluster.colocate_all=false), or sample with engine.name=vllm")
 
 
 class TrainerWorker:
@@ -158,12 +159,12 @@ class TrainerWorker:
         to `engine`, the sampler actor colocated on this replica's GPU, without the object
         store and without a copy of the base in the engine -> (version, bytes handed over).
         kind (`handoff_kind`): "merged" - the LoRA merged into this replica's base weights a
-        chunk at a time, each chunk sent as CUDA IPC handles (`vllm_merged.share`) and loaded
+        chunk at a time, each chunk sent as CUDA IPC handles (`vllm.merged.share`) and loaded
         by the engine's vLLM in place; "adapter" - the version's PEFT folder written where
         the engine's vLLM reads it (same node); "factors" - the LoRA tensors as CUDA IPC
         handles, copied into the engine's own model (our engine). On a CPU the tensors travel
         by value."""
-        from workbench.policy.vllm_merged import merged_weights, share
+        from workbench.vllm.merged import merged_weights, share
 
         version = host.save_version(self.host)
         tensors = self.host.versions[version]
@@ -262,7 +263,7 @@ class SamplerEngine:
     def take_factors(self, version: int, payload: bytes) -> int:
         """Version `version`'s trainable tensors, `share`d by the colocated trainer: copied
         into this engine's model and kept as the version's snapshot."""
-        from workbench.policy.vllm_merged import open_shared
+        from workbench.vllm.merged import open_shared
 
         device = next(iter(self.host.trainable().values())).device
         tensors = {name: t.clone() for name, t in open_shared(payload, device)}

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 LANGUAGE_PROJECTIONS: tuple[str, ...] = (
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
 )
@@ -114,3 +116,25 @@ def lora_in_model_dtype(model: Any, on: bool = True, adapted: Sequence[Any] | No
     finally:
         for m, cast in zip(adapted, casts):
             m.cast_input_dtype_enabled = cast
+
+
+def merged_weight(linear: Any, factors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> torch.Tensor:
+    """`linear`'s weight with its active LoRA adapters folded in (peft's LoRA Linear or a plain
+    nn.Linear), computed in float32 and rounded once to the weight's dtype. `factors` (adapter
+    -> (A, B)) replaces the adapters' own factors: a snapshot of another weights version."""
+    base = getattr(linear, "base_layer", linear)
+    W = base.weight.detach()
+    adapters = [] if getattr(linear, "disable_adapters", True) or getattr(linear, "merged", False) \
+        else [a for a in linear.active_adapters if a in linear.lora_A]
+    if not adapters:
+        return W
+    out = W.float()
+    for a in adapters:
+        if a in getattr(linear, "lora_variant", {}):
+            raise ValueError(f"fused decode merges plain LoRA only; adapter {a!r} is a variant "
+                             "(DoRA, ...): set engine.fused_decode=false")
+        A, B = factors[a] if factors is not None else (linear.lora_A[a].weight,
+                                                        linear.lora_B[a].weight)
+        out = torch.addmm(out, B.detach().float(), A.detach().float(), alpha=linear.scaling[a])
+    return out.to(W.dtype)

@@ -1,17 +1,8 @@
-"""The policy: append-only conversation streams and a batched sampler with log-probabilities."""
+"""The policy: append-only conversation streams, the one log-prob forward the trainer and the
+samplers share, and the engine protocol every sampler follows (`policy.engine`)."""
 
+from workbench.policy.engine import Completion, SamplingParams
 from workbench.policy.forward import Batch, make_batch, masked_log_softmax, token_logprobs
-from workbench.policy.sampler import (
-    Completion,
-    LiveBatch,
-    SamplingParams,
-    decode,
-    extend,
-    open_batch,
-    repeat_rows,
-    sample,
-    select_rows,
-)
 from workbench.policy.stream import (
     ChatFormat,
     Stream,
@@ -25,8 +16,7 @@ from workbench.policy.stream import (
 )
 
 __all__ = [
-    "Batch", "ChatFormat", "Completion", "LiveBatch", "decode", "extend", "open_batch",
-    "repeat_rows", "select_rows", "SamplingParams", "Stream", "VisionInput",
+    "Batch", "ChatFormat", "Completion", "SamplingParams", "Stream", "VisionInput",
     "append_reply", "append_user", "chat_format", "encode_image", "keep_last_images", "make_batch",
-    "masked_log_softmax", "sample", "start_stream", "token_logprobs",
+    "masked_log_softmax", "start_stream", "token_logprobs",
 ]

@@ -1,4 +1,5 @@
-"""Sampler engines: one seam between the rollout loop and whatever draws the tokens.
+"""The engine protocol: one seam between the rollout loop and whatever draws the tokens, with the
+records both sides share (SamplingParams, Completion, EngineSettings) and the context length.
 
 The multi-turn loop (`rl.rollout.play_model`) and the session's `sample` drive an engine through
 a batch of live rows, and nothing else:
@@ -19,12 +20,12 @@ together. The vLLM engine instead sends each row's next turn as soon as that row
 (`engine.stream_rows`), so no row waits for the batch's slowest one and the environment steps
 while vLLM samples the other rows.
 
-Two engines stand behind it, picked by `engine.name` (`policy.engines.make_engine`):
-- `transformers` (default, CPU and GPU): our KV-cached batched sampler (`policy.sampler`) over the
-  host's model; a weights version is copied into that model by the session, so the version hooks
-  do nothing here.
-- `vllm` (GPU only, `policy.vllm_engine`): vLLM with prefix caching; each version's LoRA adapter
-  is exported as a PEFT folder and sent as a LoRARequest, or merged into vLLM's own weights.
+Two engines stand behind it, picked by `engine.name` (`workbench.engines.make_engine`):
+- `transformers` (default, CPU and GPU): our KV-cached batched sampler (`workbench.sampler`) over
+  the host's model; a weights version is copied into that model by the session, so the version
+  hooks do nothing here.
+- `vllm` (GPU only, `workbench.vllm`): vLLM with prefix caching; each version's LoRA adapter is
+  exported as a PEFT folder and sent as a LoRARequest, or merged into vLLM's own weights.
 
 The version hooks (`add_version`, `use_version`, `drop_version`) are called by the session when
 it snapshots, selects and prunes sampler weight versions. An engine with `samples_own_weights`
@@ -40,22 +41,38 @@ from typing import Any, Protocol
 
 import torch
 
-from workbench.policy.sampler import (
-    Completion,
-    LiveBatch,
-    SamplingParams,
-    decode,
-    extend,
-    open_batch,
-    repeat_rows,
-    select_rows,
-)
-from workbench.policy.stream import Stream, chat_format
+from workbench.policy.stream import Stream
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How replies are drawn."""
+
+    max_tokens: int = 8  # reply length cap (a move is one token in the tiny vocabulary)
+    temperature: float = 1.0  # 0 = greedy (argmax)
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled reply."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: str  # "stop" (emitted <|im_end|>) or "length"
+
+
+class DeadlineExceeded(TimeoutError):
+    """Decoding passed its deadline; `tokens` replies' tokens were drawn by then (per row)."""
+
+    def __init__(self, tokens: int) -> None:
+        super().__init__(f"the deadline passed after {tokens} decode step(s)")
+        self.tokens = tokens
 
 
 @dataclass(frozen=True)
 class EngineSettings:
-    """Which sampler engine a model host builds, and the GPU engine's knobs."""
+    """The sampler's knobs (the `engine.*` keys of a run): which engine a model host builds
+    (`workbench.engines`), vLLM's settings, and our sampler's CUDA fast paths."""
 
     name: str = "transformers"
     """Sampler engine: transformers (our KV-cached sampler; CPU and GPU) | vllm (GPU only, needs
@@ -81,7 +98,7 @@ class EngineSettings:
     """How the vllm engine samples a LoRA weights version: adapter (a PEFT folder per version,
     vLLM's LoRA kernels beside each projection; many versions side by side) | merged (vLLM built
     without LoRA; each version merged into its own weights, W + scale * B @ A in bf16, sent over
-    CUDA IPC: no LoRA cost, one version at a time; `policy.vllm_merged`)."""
+    CUDA IPC: no LoRA cost, one version at a time; `vllm.merged`)."""
     vllm_kv_cache_gb: float = 0.0
     """vllm only: vLLM's KV cache in GiB, set directly (vLLM's kv_cache_memory_bytes), instead of
     what gpu_memory_utilization leaves once vLLM has measured its own use at start: 0 =
@@ -95,6 +112,27 @@ class EngineSettings:
     as it arrives (vLLM's layerwise reload); with adapter the base is quantised once and the
     LoRA kernels stay bf16. The sampler's log-probs then drift further from the trainer's: use
     algorithm.tis_cap (benchmarks/RESULTS.md, "A step")."""
+    cuda_graphs: bool = False
+    """transformers engine on a CUDA device: decode steps replayed as CUDA graphs over a KV pool
+    sized for the rollout (`sampler.graphs`). Ignored on CPU and by the vllm engine; the
+    knobs below go with it."""
+    gqa_decode: bool = True
+    """With cuda_graphs: one-token decode steps read each grouped-query KV head once."""
+    kv_rows: int = 0
+    """Rows the KV pool is sized for (0 = P x G of the run's rollout; 64 outside a run)."""
+    kv_tokens: int = 2048
+    """Tokens per row the KV pool is sized for (grown if an episode needs more)."""
+    bucket: int = 256
+    """Decode attention window granularity: one CUDA graph per bucket."""
+    fused_decode: bool = True
+    """With cuda_graphs: decode steps read the sampler's own copy of the text weights with the
+    LoRA adapter merged in and q/k/v and gate/up fused (4 GEMMs a layer instead of 7 plus peft's
+    LoRA kernels), re-merged when the sampler's weights version changes (`sampler.fused`). Costs
+    the text matrices once more in GPU memory, and W + BA rounded to bf16 makes the sampler's
+    log-probs differ from the trainer's about 4x more than unmerged LoRA."""
+    compile_decode: bool = False
+    """With fused_decode: torch.compile each layer's decode step before it is captured; a
+    compile failure falls back to the eager step and says why."""
 
 
 class Rows(Protocol):
@@ -109,6 +147,12 @@ class Rows(Protocol):
         """Keep rows `keep` (positions in the current batch); streams_B[b] is kept row b's
         stream, grown by the reply and the next observation."""
         ...
+
+
+def uses_cuda_graphs(settings: EngineSettings, device: str) -> bool:
+    """Whether a host samples through CUDA graphs (`sampler.graphs.GraphEngine`):
+    engine.cuda_graphs, with the transformers engine, on a CUDA device."""
+    return settings.cuda_graphs and settings.name == "transformers" and device.startswith("cuda")
 
 
 StepRow = Callable[[int, Completion], "Stream | None"]
@@ -199,60 +243,3 @@ def play_lockstep(engine: Engine, prompts_P: list[Stream], n: int, params: Sampl
         else:
             rows = engine.open(grown_B, 1)
         live_B, last_B = [live_B[b] for b in keep], grown_B
-
-
-@dataclass
-class TransformersRows:
-    """Rows of the transformers engine: one batched KV cache (`LiveBatch`)."""
-
-    engine: TransformersEngine
-    live: LiveBatch
-
-    def decode(self, params: SamplingParams,
-               generator: torch.Generator | None = None) -> list[Completion]:
-        """One reply per row from the cached state."""
-        e = self.engine
-        return decode(e.lm.model, self.live, e.fmt, params, generator)
-
-    def advance(self, keep: list[int], streams_B: list[Stream]) -> None:
-        """Drop the rows not kept, then prefill each kept row's new tokens."""
-        select_rows(self.live, keep)
-        extend(self.engine.lm.model, self.live, streams_B, self.engine.pad_id)
-
-
-class TransformersEngine:
-    """Our KV-cached batched sampler over `lm.model` (CPU or GPU)."""
-
-    name = "transformers"
-    samples_own_weights = False  # samples from the host's model: versions are copied into it
-
-    def __init__(self, lm: Any) -> None:
-        self.lm = lm  # read lm.model at each call: the session may re-wrap it
-        self.fmt = chat_format(lm.processor)
-        self.pad_id: int = lm.processor.tokenizer.pad_token_id
-
-    def open(self, prompts_P: list[Stream], n: int) -> TransformersRows:
-        """Prefill each prompt once, then share its cache among its n rows."""
-        live = open_batch()
-        extend(self.lm.model, live, prompts_P, self.pad_id)
-        repeat_rows(live, n)
-        return TransformersRows(self, live)
-
-    def play_rows(self, prompts_P: list[Stream], n: int, params: SamplingParams,
-                  generator: torch.Generator | None, step_row: StepRow) -> None:
-        """All live rows a turn at a time, from one batched KV cache (`play_lockstep`)."""
-        play_lockstep(self, prompts_P, n, params, generator, step_row)
-
-    def add_version(self, version: int, model: Any) -> None:
-        """Nothing to do: the session copies a version's weights into the model itself."""
-
-    def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
-        """Nothing to do: the model already holds the version's weights."""
-
-    def drop_version(self, version: int) -> None:
-        """Nothing to do."""
-
-    def close(self) -> None:
-        """Nothing to do: the model is the session's."""
-
-

@@ -39,7 +39,8 @@ from workbench.policy import (
     keep_last_images,
     start_stream,
 )
-from workbench.policy.engine import Engine, TransformersEngine
+from workbench.policy.engine import Engine
+from workbench.sampler.engine import TransformersEngine
 
 
 @dataclass

@@ -33,7 +33,7 @@ from typing import Any
 from workbench.deps import require
 from workbench.serve.chat import measure_messages, parse_request
 from workbench.serve.engine import (
-    Engine,
+    Replica,
     engine_stats,
     generate,
     key_hash,
@@ -56,7 +56,7 @@ def authorized(header: str, api_key_sha256: str) -> bool:
                                                               api_key_sha256)
 
 
-def build_app(engine: Engine) -> Any:
+def build_app(engine: Replica) -> Any:
     """The FastAPI app serving `engine`."""
     fastapi = require("fastapi")
     from fastapi.concurrency import run_in_threadpool

@@ -42,7 +42,7 @@ def deployment(settings: ServeSettings) -> Any:
     require("fastapi")
     serve = require("ray.serve")
     from workbench.serve.app import build_app
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
     # one more than max_queue: the replica's own bound answers (429) before Ray Serve's proxy
     # would start queueing requests for a full replica without bound
@@ -55,7 +55,7 @@ def deployment(settings: ServeSettings) -> Any:
         """One replica: an engine (base + adapter LRU) and the app over it."""
 
         def __init__(self, settings: ServeSettings) -> None:
-            self.engine = open_engine(settings)
+            self.engine = open_replica(settings)
 
         def __serve_build_asgi_app__(self) -> Any:
             return build_app(self.engine)
@@ -138,9 +138,9 @@ def start_in_process(settings: ServeSettings, log: Callable[[str], None] = print
                          "(or a cluster); in this process there is one")
     require("uvicorn")
     from workbench.serve.app import build_app
-    from workbench.serve.replica import open_engine
+    from workbench.serve.replica import open_replica
 
-    engine = open_engine(settings)
+    engine = open_replica(settings)
     stop_server = uvicorn_thread(build_app(engine), settings.host, settings.port,
                                  "workbench-serve", lambda: close_engine(engine))
 

@@ -1,7 +1,7 @@
 """The serving engine of one replica: a base model, LoRA adapters loaded on first use into an LRU
 of `cache_size`, and the transformers sampler of `workbench.policy`.
 
-    engine = open_transformers_engine(ServeSettings(model="tiny", adapters="s3://b/wb"))
+    engine = open_transformers_replica(ServeSettings(model="tiny", adapters="s3://b/wb"))
     generate(engine, parse_request(body, 16, 256))      # an OpenAI chat.completion dict
 
 `model` in a request is the base id (the base alone) or `<base>:<adapter>`; `<base>:default` is
@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from workbench import registry, storage
+from workbench.engines import ENGINES
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
-from workbench.policy import ChatFormat, Completion, SamplingParams, Stream, chat_format, sample
-from workbench.policy.engine import context_len, model_max_len
-from workbench.policy.sampler import DeadlineExceeded
+from workbench.policy import ChatFormat, Completion, SamplingParams, Stream, chat_format
+from workbench.policy.engine import DeadlineExceeded, context_len, model_max_len
+from workbench.sampler.batch import sample
 from workbench.serve.chat import ChatRequest, completion_json, render_messages
 from workbench.serve.errors import RequestError, shown
 from workbench.serve.limits import (
@@ -47,8 +48,6 @@ from workbench.serve.limits import (
     text_bound,
     timeout_error,
 )
-
-ENGINES = ("transformers", "vllm")  # ServeSettings.engine
 
 
 @dataclass(frozen=True)
@@ -71,7 +70,7 @@ class ServeSettings:
     dtype: str = "float32"  # weights dtype (vllm: the dtype the base is hashed in; it runs bf16)
     device: str = "cpu"  # cpu | cuda: where the transformers engine runs (vllm: always CUDA)
     default_ttl_s: float = 5.0  # how long a replica trusts its copy of serving.json
-    engine: str = "transformers"  # transformers (one request at a time) | vllm (GPU, batching)
+    engine: str = "transformers"  # engines.ENGINES: transformers (a lock) | vllm (GPU, batching)
     gpu_memory_utilization: float = 0.5  # vllm: its share of the GPU's memory
     kv_cache_gb: float = 0.0  # vllm: its KV cache in GiB, set directly (0: what the share leaves)
     max_model_len: int = 0  # context in tokens, prompt + max_tokens (0: the model's, <= 16384)
@@ -108,7 +107,7 @@ def key_hash(api_key: str) -> str:
 
 
 @dataclass
-class Engine:
+class Replica:
     """A replica's state: model, adapters resident in it (LRU, oldest first), counters."""
 
     settings: ServeSettings
@@ -127,18 +126,18 @@ class Engine:
     backend: Any = None  # vllm: its VLLMBackend (async engine, LoRA ids); transformers: None
 
 
-def open_transformers_engine(settings: ServeSettings) -> Engine:
+def open_transformers_replica(settings: ServeSettings) -> Replica:
     """Load and hash the base; wrap it in PEFT with an inert rank-1 adapter, so that adapters
     come and go with load_adapter / delete_adapter and the base runs with adapters disabled."""
     lm = load_model(settings.model, dtype=getattr(torch, settings.dtype), device=settings.device)
     base_hash = weights_hash(lm.model)
     max_len = context_len(settings.max_model_len, model_max_len(lm.model.config))
     lm.model = add_lora(lm.model, LoraSettings(rank=1, alpha=1)).eval()  # B = 0: inert
-    return Engine(settings, lm, chat_format(lm.processor), base_hash, open_adapter_store(settings),
+    return Replica(settings, lm, chat_format(lm.processor), base_hash, open_adapter_store(settings),
                   max_len, text_bound(lm.processor.tokenizer))
 
 
-def prompt_limits(engine: Engine, request: ChatRequest) -> PromptLimits:
+def prompt_limits(engine: Replica, request: ChatRequest) -> PromptLimits:
     """What the request's prompt may hold on this engine."""
     return PromptLimits(engine.max_len, request.max_tokens, engine.settings.max_image_pixels,
                         engine.bound)
@@ -153,7 +152,7 @@ def open_adapter_store(settings: ServeSettings) -> storage.Store | None:
     return storage.open_store(settings.adapters, settings.endpoint_url)
 
 
-def close_engine(engine: Engine) -> None:
+def close_engine(engine: Replica) -> None:
     """Stop what the engine started (vllm: its engine process; transformers: nothing)."""
     if engine.backend is not None:
         engine.backend.llm.shutdown()
@@ -164,14 +163,14 @@ def peft_name(name: str) -> str:
     return "a" + hashlib.sha1(name.encode()).hexdigest()[:16]
 
 
-def _not_found(engine: Engine, model: str, why: str) -> RequestError:
+def _not_found(engine: Replica, model: str, why: str) -> RequestError:
     model = model if len(model) <= 100 else f"{model[:100]}... ({len(model):,} characters)"
     return RequestError(f"The model '{model}' does not exist: {why}. Available models: "
                         f"{', '.join(m['id'] for m in list_models(engine)['data'])}",
                         status=404, code="model_not_found")
 
 
-def resolve_model(engine: Engine, model: str) -> str | None:
+def resolve_model(engine: Replica, model: str) -> str | None:
     """None for the base id, else the adapter name of `<base>:<adapter>` (404 otherwise)."""
     base = engine.settings.base_id
     if model == base:
@@ -189,7 +188,7 @@ def resolve_model(engine: Engine, model: str) -> str | None:
     return name
 
 
-def serving_default(engine: Engine) -> str | None:
+def serving_default(engine: Replica) -> str | None:
     """The registry's serving default, re-read once `default_ttl_s` has passed."""
     seen_at, name = engine.default_seen
     if engine.store is None:
@@ -200,7 +199,7 @@ def serving_default(engine: Engine) -> str | None:
     return name
 
 
-def fetch(engine: Engine, model: str, name: str) -> Path:
+def fetch(engine: Replica, model: str, name: str) -> Path:
     """Local folder of adapter `name` (downloaded once per upload); 404 when unknown, 422 when
     its upload is torn."""
     if engine.store is None:
@@ -227,7 +226,7 @@ def replica_cache(settings: ServeSettings) -> Path:
     return root / f"{socket.gethostname()}-{os.getpid()}"
 
 
-def check_adapter(engine: Engine, name: str, folder: Path) -> None:
+def check_adapter(engine: Replica, name: str, folder: Path) -> None:
     """Refuse a broken adapter (unreadable config or weights) or one of another base (422),
     before it touches the model."""
     from safetensors.torch import load_file
@@ -250,7 +249,7 @@ def check_adapter(engine: Engine, name: str, folder: Path) -> None:
         raise RequestError(str(err), status=422, code="adapter_foreign_base") from None
 
 
-def lru_hit(engine: Engine, name: str) -> bool:
+def lru_hit(engine: Replica, name: str) -> bool:
     """Whether adapter `name` is resident (a hit: it becomes the most recent); counts hit/miss."""
     if name in engine.resident:
         engine.counters["hits"] += 1
@@ -260,7 +259,7 @@ def lru_hit(engine: Engine, name: str) -> bool:
     return False
 
 
-def ensure_adapter(engine: Engine, model: str, name: str) -> str:
+def ensure_adapter(engine: Replica, model: str, name: str) -> str:
     """The PEFT name of adapter `name`, loading it (and evicting the least recently used one
     beyond cache_size) on a miss."""
     if lru_hit(engine, name):
@@ -286,7 +285,7 @@ def ensure_adapter(engine: Engine, model: str, name: str) -> str:
     return internal
 
 
-def generate(engine: Engine, request: ChatRequest,
+def generate(engine: Replica, request: ChatRequest,
              deadline: float = float("inf")) -> dict[str, Any]:
     """Answer one chat request (an OpenAI chat.completion dict); RequestError for 4xx, and 504
     once time.monotonic() passes `deadline` (waiting for the engine, or between decode steps).
@@ -300,7 +299,7 @@ def generate(engine: Engine, request: ChatRequest,
     return completion_json(request, engine.lm.processor, len(stream), completions)
 
 
-def _sample(engine: Engine, request: ChatRequest, adapter: str | None, stream: Stream,
+def _sample(engine: Replica, request: ChatRequest, adapter: str | None, stream: Stream,
             deadline: float) -> list[Completion]:
     """The request's n completions of `stream` from the base or `adapter` (the lock held)."""
     seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
@@ -318,7 +317,7 @@ def _sample(engine: Engine, request: ChatRequest, adapter: str | None, stream: S
                             f"{request.max_tokens} reply tokens") from None
 
 
-def list_models(engine: Engine) -> dict[str, Any]:
+def list_models(engine: Replica) -> dict[str, Any]:
     """/v1/models: the base, `<base>:<name>` for every complete published adapter, and
     `<base>:default` when one is promoted."""
     base = engine.settings.base_id
@@ -332,7 +331,7 @@ def list_models(engine: Engine) -> dict[str, Any]:
     return {"object": "list", "data": data}
 
 
-def engine_stats(engine: Engine) -> dict[str, Any]:
+def engine_stats(engine: Replica) -> dict[str, Any]:
     """Counters of this replica: requests, adapter cache hits / misses / evictions, resident."""
     return {"replica": f"{socket.gethostname()}:{os.getpid()}", "base": engine.settings.base_id,
             "base_weights_sha256": engine.base_hash, "cache_size": engine.settings.cache_size,

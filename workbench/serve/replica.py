@@ -1,22 +1,21 @@
-"""What a serving replica opens: the engine `ServeSettings.engine` names.
+"""What a serving replica opens: the engine `ServeSettings.engine` names (one of
+`workbench.engines.ENGINES`, the names training and evaluation use too).
 
-    engine = open_engine(ServeSettings(model="tiny", adapters="s3://bucket/workbench"))
+    replica = open_replica(ServeSettings(model="tiny", adapters="s3://bucket/workbench"))
 
 transformers: `serve.engine` (our sampler under a lock, CPU or GPU); vllm: `serve.vllm_async`
-(vLLM's async engine, GPU only; vllm itself is imported only when that engine opens).
+(vLLM's async engine, GPU only, built from `workbench.vllm.args`; vllm itself is imported only
+when that engine opens).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from workbench.serve.engine import Engine, ServeSettings, open_transformers_engine
-from workbench.serve.vllm_async import open_vllm_engine
-
-OPENERS: dict[str, Callable[[ServeSettings], Engine]] = {
-    "transformers": open_transformers_engine, "vllm": open_vllm_engine}
+from workbench.serve.engine import Replica, ServeSettings, open_transformers_replica
+from workbench.serve.vllm_async import open_vllm_replica
 
 
-def open_engine(settings: ServeSettings) -> Engine:
-    """The replica's engine of `settings.engine` (see OPENERS)."""
-    return OPENERS[settings.engine](settings)
+def open_replica(settings: ServeSettings) -> Replica:
+    """The replica's state over the engine `settings.engine`."""
+    if settings.engine == "vllm":
+        return open_vllm_replica(settings)
+    return open_transformers_replica(settings)

@@ -23,7 +23,7 @@ What differs:
   counts hits / misses / evictions as the transformers engine does; vLLM keeps the same number of
   adapters loaded and evicts by its own LRU (it knows which ones running requests still use);
 - each of the n choices is one vLLM request: the stream's tokens (an image's run of pads cut to
-  one) and its PIL images (`policy.vllm_engine.vllm_prompt`), its own seed drawn from the
+  one) and its PIL images (`vllm.engine.vllm_prompt`), its own seed drawn from the
   request's seed; vLLM's expanded prompt must equal our tokens (`check_prompt`).
 """
 
@@ -44,19 +44,9 @@ from workbench import registry, storage
 from workbench.model import load_model, weights_hash
 from workbench.policy import SamplingParams, Stream, chat_format
 from workbench.policy.engine import EngineSettings, model_max_len
-from workbench.policy.vllm_engine import (
-    check_prompt,
-    checked_max_len,
-    import_vllm,
-    max_lora_rank,
-    row_seeds,
-    sampling_params,
-    to_completion,
-    vllm_prompt,
-)
 from workbench.serve.chat import ChatRequest, completion_json, render_messages
 from workbench.serve.engine import (
-    Engine,
+    Replica,
     ServeSettings,
     check_adapter,
     fetch,
@@ -67,6 +57,14 @@ from workbench.serve.engine import (
 )
 from workbench.serve.errors import RequestError
 from workbench.serve.limits import held, remaining_s, text_bound, timeout_error
+from workbench.vllm.args import checked_max_len, engine_kwargs, import_vllm
+from workbench.vllm.engine import (
+    check_prompt,
+    row_seeds,
+    sampling_params,
+    to_completion,
+    vllm_prompt,
+)
 
 MIN_LORA_RANK = 8  # the engine's LoRA slots hold at least this rank (adapters published later)
 VLLM_DTYPE = "bfloat16"  # what vLLM runs the base in (its LoRA kernels: bf16 or fp16)
@@ -100,22 +98,17 @@ def published_rank(store: storage.Store | None) -> int:
 
 def engine_args(settings: ServeSettings, model_path: str, lora_rank: int,
                 max_len: int) -> dict[str, Any]:
-    """Keyword arguments of vllm.AsyncEngineArgs for a replica serving `model_path`."""
-    return dict(
-        model=model_path, tokenizer=model_path, dtype=VLLM_DTYPE,
-        gpu_memory_utilization=settings.gpu_memory_utilization,
-        enable_prefix_caching=True,  # a conversation's earlier turns, the system prompt
-        enable_lora=True, max_lora_rank=max_lora_rank(max(lora_rank, MIN_LORA_RANK)),
-        max_loras=settings.cache_size, max_cpu_loras=settings.cache_size,
-        max_model_len=max_len, limit_mm_per_prompt={"image": settings.max_images},
-        logprobs_mode="processed_logprobs",  # log-probs of the distribution sampled from
-        disable_log_stats=True,
-        **({"kv_cache_memory_bytes": int(settings.kv_cache_gb * 2**30)}
-           if settings.kv_cache_gb else {}),
-    )
+    """Keyword arguments of vllm.AsyncEngineArgs for a replica serving `model_path`: the
+    sampler's (`vllm.args.engine_kwargs`, adapters as LoRA requests) with one LoRA slot per
+    cached adapter and vLLM's stats off."""
+    engine = EngineSettings("vllm", gpu_memory_utilization=settings.gpu_memory_utilization,
+                            max_images=settings.max_images, vllm_kv_cache_gb=settings.kv_cache_gb)
+    kwargs = engine_kwargs(model_path, engine, max(lora_rank, MIN_LORA_RANK), VLLM_DTYPE, max_len)
+    return kwargs | {"max_loras": settings.cache_size, "max_cpu_loras": settings.cache_size,
+                     "disable_log_stats": True}
 
 
-def open_vllm_engine(settings: ServeSettings) -> Engine:
+def open_vllm_replica(settings: ServeSettings) -> Replica:
     """Hash the base on the CPU (then drop its weights), and start vLLM's async engine on it."""
     from workbench.model.presets import SHAPES
 
@@ -134,7 +127,7 @@ def open_vllm_engine(settings: ServeSettings) -> Engine:
     llm = vllm.AsyncLLMEngine.from_engine_args(vllm.AsyncEngineArgs(**args))
     backend = VLLMBackend(vllm, llm, importlib.import_module("vllm.lora.request").LoRARequest,
                           args["max_lora_rank"])
-    return Engine(settings, lm, chat_format(lm.processor), base_hash, store, length,
+    return Replica(settings, lm, chat_format(lm.processor), base_hash, store, length,
                   text_bound(lm.processor.tokenizer), backend=backend)
 
 
@@ -172,7 +165,7 @@ def check_vision(name: str, folder: Path) -> None:
                            code="adapter_vision_lora")
 
 
-def adapter_lora(engine: Engine, model: str, name: str) -> Any:
+def adapter_lora(engine: Replica, model: str, name: str) -> Any:
     """The LoRARequest of adapter `name`: on a miss it is fetched, checked and given the id of
     its upload; beyond cache_size the least recently used one is evicted (counted)."""
     backend = engine.backend
@@ -193,7 +186,7 @@ def adapter_lora(engine: Engine, model: str, name: str) -> Any:
     return engine.resident[name]
 
 
-def check_images(engine: Engine, stream: Stream) -> None:
+def check_images(engine: Replica, stream: Stream) -> None:
     """Refuse (400) a request vLLM would: more images than it makes room for (the context and
     the pixels are checked by the app and as the prompt is rendered, as for transformers)."""
     limit = engine.settings.max_images
@@ -202,7 +195,7 @@ def check_images(engine: Engine, stream: Stream) -> None:
                            f"at most {limit} (max_images)")
 
 
-def prepare(engine: Engine, request: ChatRequest,
+def prepare(engine: Replica, request: ChatRequest,
             deadline: float = float("inf")) -> tuple[Stream, dict[str, Any], Any]:
     """The request's stream, its vLLM prompt and LoRARequest (None: the base); the lock is held
     only while the adapter LRU is read and changed. RequestError for 4xx (504 past deadline)."""
@@ -224,7 +217,7 @@ async def final_output(llm: Any, prompt: dict[str, Any], params: Any, lora: Any)
     return last
 
 
-async def generate_vllm(engine: Engine, request: ChatRequest,
+async def generate_vllm(engine: Replica, request: ChatRequest,
                         deadline: float = float("inf")) -> dict[str, Any]:
     """Answer one chat request through vLLM (an OpenAI chat.completion dict): rendering and the
     adapter run in a worker thread, the n choices are awaited together with everything else in

@@ -28,8 +28,7 @@ import torch
 
 from workbench.model.loaded import LoadedModel
 from workbench.policy import SamplingParams, Stream
-from workbench.policy.engine import play_lockstep
-from workbench.policy.sampler import Completion
+from workbench.policy.engine import Completion, play_lockstep
 from workbench.service.sdk import completion, model_input, sdk_datum
 from workbench.service.wire import ImageCache
 from workbench.session.losses import REDUCTION_SCALES, LossConfig

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from workbench.policy import Stream
-from workbench.policy.sampler import Completion
+from workbench.policy.engine import Completion
 from workbench.service.wire import ImageCache
 from workbench.session.types import Datum, datum_from_stream
 

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from workbench.policy import ChatFormat, Stream, encode_image
-from workbench.policy.sampler import Completion
+from workbench.policy.engine import Completion
 from workbench.session.losses import LOSSES, LossConfig
 from workbench.session.types import Datum, ForwardBackwardOutput
 

@@ -22,20 +22,21 @@ import contextlib
 import os
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from workbench.engines import make_engine
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
 from workbench.model.lora import adapted_layers, lora_in_model_dtype
 from workbench.model.vision import batch_vision_attention, linear_patch_embed
 from workbench.policy import ChatFormat, SamplingParams, Stream, chat_format
-from workbench.policy.engine import Engine
-from workbench.policy.engines import make_engine
+from workbench.policy.engine import Engine, EngineSettings
 from workbench.policy.forward import token_logprobs, upload
+from workbench.sampler.graphs import graph_metrics
 from workbench.session.losses import (
     LOSSES,
     REDUCTIONS,
@@ -69,7 +70,6 @@ class ModelHost:
     optimizer: torch.optim.Optimizer
     engine: Engine  # draws samples (engine.name); follows the sampler versions below
     speed: SpeedSettings = field(default_factory=SpeedSettings)
-    static: Any = None  # the CUDA-graph decode state (policy.graphs.StaticDecode), if built
     fp8_base: bool = False  # the update runs the frozen base in FP8 (speed.fp8_base, session.fp8)
     opt_steps: int = 0
     weights_id: int = 0  # bumps whenever the trainable weights change
@@ -117,7 +117,10 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True,
     adapters = Path(spec.workdir) / "sampler_adapters" / str(os.getpid())  # one per process
     # A trainer-only host (a Ray trainer worker) samples nothing: the plain engine, which holds
     # no memory, not a second vLLM beside the engine actor's (it cost a trainer its GPU share)
-    engine = spec.engine if sampler else replace(spec.engine, name="transformers")
+    engine = spec.engine if sampler else EngineSettings("transformers")
+    if weights:
+        batch_vision_attention(lm.model)  # one attention call a vision layer (model/vision.py)
+        linear_patch_embed(lm.model)  # the patch convolution as one matrix product
     host = ModelHost(
         lm=lm, fmt=chat_format(lm.processor), lora=spec.lora, base_hash=base_hash,
         # fused: one kernel over all parameters, 14x faster than the per-tensor loop on 2 cores
@@ -125,14 +128,8 @@ def make_host(spec: SessionSpec, trainer: bool = True, sampler: bool = True,
         engine=make_engine(engine, lm, spec.lora.rank if spec.lora else None, adapters),
         speed=spec.speed,
     )
-    if weights:
-        batch_vision_attention(lm.model)  # one attention call a vision layer (model/vision.py)
-        linear_patch_embed(lm.model)  # the patch convolution as one matrix product
     if trainer:
         _trainer_fast_paths(host, spec.speed)
-    if sampler and spec.speed.cuda_graphs and spec.engine.name == "transformers" \
-            and lm.model.device.type == "cuda":
-        _sampler_fast_paths(host, spec.speed)
     host.modules, host.adapted = tuple(lm.model.modules()), adapted_layers(lm.model)
     return host
 
@@ -143,7 +140,7 @@ def _trainer_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
     if speed.gradient_checkpointing:
         set_checkpointing(host.lm.model, True, speed.selective_checkpointing)
     if speed.fp8_base:  # before compile_layers: the compiled layers trace the FP8 forward
-        from workbench.policy.graphs import warn_fallback
+        from workbench.deps import warn_fallback
         from workbench.session.fp8 import fp8_unsupported, use_fp8_base
 
         if reason := fp8_unsupported(host.lm.model):
@@ -153,18 +150,6 @@ def _trainer_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
             host.fp8_base = True
     if speed.compile_layers:
         compile_for_training(host.lm.model)
-
-
-def _sampler_fast_paths(host: ModelHost, speed: SpeedSettings) -> None:
-    from workbench.policy.attention import use_gqa_decode_attention
-    from workbench.policy.graphs import GraphEngine, make_static_decode
-
-    if speed.gqa_decode:
-        use_gqa_decode_attention(host.lm.model)
-    host.static = make_static_decode(host.lm.model, speed.kv_rows or 64, speed.kv_tokens,
-                                     speed.bucket, use_graphs=True, fused=speed.fused_decode,
-                                     compiled=speed.compile_decode)
-    host.engine = GraphEngine(host.lm, host.static)
 
 
 def speed_metrics(host: ModelHost) -> dict[str, float]:
@@ -180,13 +165,8 @@ def sampler_metrics(host: ModelHost) -> dict[str, float]:
     the compiled decode, and this process's `memory_metrics`."""
     cache = getattr(host.engine, "cache_metrics", None)  # the vLLM engine's prefix cache
     out: dict[str, float] = (cache() if cache else {}) | memory_metrics(host)
-    static = host.static
-    if static is None:
-        return out
-    out["speed/cuda_graphs"] = float(static.use_graphs)
-    if host.speed.compile_decode:
-        out["speed/compile_decode"] = float(not static.compile_error)
-    return out
+    static = getattr(host.engine, "static", None)  # our engine over CUDA graphs
+    return out if static is None else out | graph_metrics(static)
 
 
 def trainer_metrics(host: ModelHost) -> dict[str, float]:
@@ -209,7 +189,7 @@ def memory_metrics(host: ModelHost) -> dict[str, float]:
         return {}
     peak = torch.cuda.max_memory_allocated()
     if getattr(host.engine, "name", "") == "vllm":
-        from workbench.policy.vllm_merged import engine_in_process
+        from workbench.vllm.merged import engine_in_process
 
         if not engine_in_process():
             share: float = host.engine.gpu_share  # type: ignore[attr-defined]
@@ -237,7 +217,7 @@ def close(host: ModelHost) -> None:
     host.engine.close()
     host.optimizer.state.clear()
     host.versions.clear()
-    host.parked, host.static = None, None
+    host.parked = None
     if host.fp8_base:
         from workbench.session.fp8 import drop_fp8_base
 

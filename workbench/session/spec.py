@@ -20,29 +20,10 @@ from workbench.policy.engine import EngineSettings
 
 @dataclass(frozen=True)
 class SpeedSettings:
-    """The fast paths a host is built with (the `speed.*` keys of a run). Each can be switched
-    off alone to measure what it brings (benchmarks/gpu.py)."""
+    """The trainer's fast paths (the `speed.*` keys of a run; the sampler's are the engine's,
+    `EngineSettings`). Each can be switched off alone to measure what it brings
+    (benchmarks/gpu.py)."""
 
-    cuda_graphs: bool = False
-    """On a CUDA device with the transformers engine: decode steps replayed as CUDA graphs over a
-    KV pool sized for the rollout (`policy.graphs`). Ignored on CPU and by the vllm engine."""
-    gqa_decode: bool = True
-    """With cuda_graphs: one-token decode steps read each grouped-query KV head once."""
-    kv_rows: int = 0
-    """Rows the KV pool is sized for (0 = P x G of the run's rollout; 64 outside a run)."""
-    kv_tokens: int = 2048
-    """Tokens per row the KV pool is sized for (grown if an episode needs more)."""
-    bucket: int = 256
-    """Decode attention window granularity: one CUDA graph per bucket."""
-    fused_decode: bool = True
-    """With cuda_graphs: decode steps read the sampler's own copy of the text weights with the
-    LoRA adapter merged in and q/k/v and gate/up fused (4 GEMMs a layer instead of 7 plus peft's
-    LoRA kernels), re-merged when the sampler's weights version changes (`policy.fused`). Costs
-    the text matrices once more in GPU memory, and W + BA rounded to bf16 makes the sampler's
-    log-probs differ from the trainer's about 4x more than unmerged LoRA."""
-    compile_decode: bool = False
-    """With fused_decode: torch.compile each layer's decode step before it is captured; a
-    compile failure falls back to the eager step and says why."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward instead of keeping them (the 8B shape
     needs it on one GPU; SkyRL: trainer.gradient_checkpointing). Same gradients, more time."""

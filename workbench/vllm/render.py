@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from workbench.policy.graphs import warn_fallback
+from workbench.deps import warn_fallback
 from workbench.policy.stream import Stream
 
 SENDER_CACHE = "MultiModalProcessorSenderCache"  # the engine core holds what it was sent

@@ -28,34 +28,10 @@ from typing import Any
 
 import torch
 
+from workbench.policy.engine import Completion, DeadlineExceeded, SamplingParams
 from workbench.policy.forward import core_model, masked_log_softmax
-from workbench.policy.kvcache import growable_cache
 from workbench.policy.stream import ChatFormat, Stream
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How replies are drawn."""
-
-    max_tokens: int = 8  # reply length cap (a move is one token in the tiny vocabulary)
-    temperature: float = 1.0  # 0 = greedy (argmax)
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One sampled reply."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str  # "stop" (emitted <|im_end|>) or "length"
-
-
-class DeadlineExceeded(TimeoutError):
-    """Decoding passed its deadline; `tokens` replies' tokens were drawn by then (per row)."""
-
-    def __init__(self, tokens: int) -> None:
-        super().__init__(f"the deadline passed after {tokens} decode step(s)")
-        self.tokens = tokens
+from workbench.sampler.kvcache import growable_cache
 
 
 @dataclass

@@ -8,7 +8,7 @@ is vLLM's own loop without its LoRA cost (benchmarks/RESULTS.md, "The sampler").
 
 How a version travels (same GPU):
 1. `merged_weights(model, tensors)`: for every LoRA linear of the peft model, its HF checkpoint
-   name and its weight merged with the version's snapshot `tensors` (policy.fused.merged_weight:
+   name and its weight merged with the version's snapshot `tensors` (model.lora.merged_weight:
    float32 sum, rounded once to bf16);
 2. `share(chunk)`: each tensor as a CUDA IPC handle (CPU tensors travel by value), when vLLM's
    engine runs in its own process (vLLM's default); the tensors themselves when it runs in this
@@ -48,9 +48,9 @@ from typing import Any
 
 import torch
 
-from workbench.policy.fused import merged_weight
+from workbench.model.lora import merged_weight
 
-WORKER_EXTENSION = "workbench.policy.vllm_merged.MergedWeightsWorker"
+WORKER_EXTENSION = "workbench.vllm.merged.MergedWeightsWorker"
 """vllm.LLM(worker_extension_cls=...): the class vLLM mixes into its GPU worker."""
 
 VISION_PREFIX = "model.visual."

@@ -1,6 +1,10 @@
-"""The sampler engines by name (`engine.name`): `make_engine` builds the one a host asks for.
+"""The one registry of sampler engines, by name (`engine.name`; the endpoint's `--engine` takes
+the same names): `make_engine` builds the one a host asks for, behind `policy.engine.Engine`.
 
     engine = make_engine(EngineSettings("transformers"), lm, lora_rank=8, adapter_root=folder)
+
+transformers: our sampler (`workbench.sampler`), over CUDA graphs where `uses_cuda_graphs` says
+so; vllm: `workbench.vllm` (GPU only; the vllm package is imported when the engine opens).
 """
 
 from __future__ import annotations
@@ -9,13 +13,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from workbench.policy.engine import Engine, EngineSettings, TransformersEngine
-from workbench.policy.vllm_engine import VLLMEngine
+from workbench.policy.engine import Engine, EngineSettings, uses_cuda_graphs
+from workbench.sampler.engine import TransformersEngine
+from workbench.sampler.graphs import graph_engine
+from workbench.vllm.engine import VLLMEngine
 
 EngineBuilder = Callable[[Any, EngineSettings, int | None, Path], Engine]
 
+
 def _transformers(lm: Any, settings: EngineSettings, lora_rank: int | None,
                   adapter_root: Path) -> Engine:
+    if uses_cuda_graphs(settings, lm.model.device.type):
+        return graph_engine(lm, settings)
     return TransformersEngine(lm)
 
 

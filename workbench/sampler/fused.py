@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from workbench.model.lora import merged_weight
 from workbench.policy.forward import base_model
 
 
@@ -61,28 +62,6 @@ class FusedWeights:
     kv_heads: int
     eps: float
     version: int | None = None  # the sampler weights version these were merged from
-
-
-def merged_weight(linear: Any, factors: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
-                  ) -> torch.Tensor:
-    """`linear`'s weight with its active LoRA adapters folded in (peft's LoRA Linear or a plain
-    nn.Linear), computed in float32 and rounded once to the weight's dtype. `factors` (adapter
-    -> (A, B)) replaces the adapters' own factors: a snapshot of another weights version."""
-    base = getattr(linear, "base_layer", linear)
-    W = base.weight.detach()
-    adapters = [] if getattr(linear, "disable_adapters", True) or getattr(linear, "merged", False) \
-        else [a for a in linear.active_adapters if a in linear.lora_A]
-    if not adapters:
-        return W
-    out = W.float()
-    for a in adapters:
-        if a in getattr(linear, "lora_variant", {}):
-            raise ValueError(f"fused decode merges plain LoRA only; adapter {a!r} is a variant "
-                             "(DoRA, ...): set speed.fused_decode=false")
-        A, B = factors[a] if factors is not None else (linear.lora_A[a].weight,
-                                                        linear.lora_B[a].weight)
-        out = torch.addmm(out, B.detach().float(), A.detach().float(), alpha=linear.scaling[a])
-    return out.to(W.dtype)
 
 
 def _layer_tensors(layer: Any) -> dict[str, torch.Tensor]:

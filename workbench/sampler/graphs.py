@@ -1,6 +1,6 @@
 """Decode steps replayed as CUDA graphs over a KV pool that lives as long as the engine.
 
-The eager sampler (`policy.sampler`) launches every kernel of a one-token step from Python: for an
+The eager sampler (`sampler.batch`) launches every kernel of a one-token step from Python: for an
 8B model that is thousands of launches, and the GPU waits on Python (~77 ms a step, 5% of the
 bandwidth bound). Here a step reads only fixed-address buffers, so it is captured once and
 replayed:
@@ -13,7 +13,7 @@ replayed:
 - one graph per (rows, window, pool generation), captured on first use; the warm-up run of a
   capture is the real step (a step only writes column n, so running it twice is harmless).
 
-With `fused` the step does not call the transformers model at all: `policy.fused` runs it over
+With `fused` the step does not call the transformers model at all: `sampler.fused` runs it over
 a merged, fused copy of the text weights (optionally torch.compile'd before capture), re-merged
 by `GraphEngine.open` when the sampler's weights version changed. Prefill (`extend`) stays
 eager: one call a turn. Sampling from the logits stays eager too (a few
@@ -27,24 +27,26 @@ CPU tests check against the eager sampler.
 from __future__ import annotations
 
 import time
-import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 
-from workbench.policy.engine import TransformersEngine, TransformersRows
-from workbench.policy.fused import (
+from workbench.deps import warn_fallback
+from workbench.policy.engine import EngineSettings
+from workbench.policy.stream import Stream
+from workbench.sampler.attention import use_gqa_decode_attention
+from workbench.sampler.batch import LiveBatch, extend, repeat_rows
+from workbench.sampler.engine import TransformersEngine, TransformersRows
+from workbench.sampler.fused import (
     compiled_layer_step,
     fuse_weights,
     fused_step,
     layer_step,
     refresh,
 )
-from workbench.policy.kvcache import pool_cache
-from workbench.policy.sampler import LiveBatch, extend, repeat_rows
-from workbench.policy.stream import Stream
+from workbench.sampler.kvcache import pool_cache
 
 
 @dataclass
@@ -72,27 +74,21 @@ class StaticDecode:
     captures: int = 0
     capture_seconds: float = 0.0
     error: str = ""  # why graphs were switched off, if they were
-    fused: Any = None  # policy.fused.FusedWeights: decode through merged, fused weights
+    fused: Any = None  # sampler.fused.FusedWeights: decode through merged, fused weights
     layer_step: Any = None  # fused.layer_step or its torch.compile'd form
     compile_error: str = ""  # why the compiled layer step was given up, if it was
+    compiled: bool = False  # the layer step was asked to go through torch.compile
 
     @property
     def generation(self) -> int:
         return self.cache.layers[0].generation
 
 
-def warn_fallback(path: str, reason: str) -> None:
-    """The one line a fast path that fell back prints, with the reason (the host's `speed/*`
-    metrics then show 0 for it)."""
-    warnings.warn(f"{path} fell back to the slower path: {reason[:300]}", RuntimeWarning,
-                  stacklevel=2)
-
-
 def make_static_decode(model: Any, rows: int, capacity: int, bucket: int = 256,
                        use_graphs: bool | None = None, fused: bool = False,
                        compiled: bool = False) -> StaticDecode:
     """A pool for `rows` rows x `capacity` tokens (grown if a batch needs more); graphs on CUDA.
-    fused: decode through a merged, fused copy of the text weights (`policy.fused`); compiled:
+    fused: decode through a merged, fused copy of the text weights (`sampler.fused`); compiled:
     its layer step through torch.compile."""
     layers = model.config.text_config.num_hidden_layers
     capacity = -(-capacity // bucket) * bucket
@@ -100,7 +96,8 @@ def make_static_decode(model: Any, rows: int, capacity: int, bucket: int = 256,
     return StaticDecode(cache=pool_cache(layers, rows, capacity), bucket=bucket,
                         use_graphs=on_cuda if use_graphs is None else use_graphs,
                         fused=fuse_weights(model) if fused else None,
-                        layer_step=compiled_layer_step() if compiled else layer_step)
+                        layer_step=compiled_layer_step() if compiled else layer_step,
+                        compiled=compiled)
 
 
 def open_static(static: StaticDecode) -> LiveBatch:
@@ -136,7 +133,7 @@ def _buffers(static: StaticDecode, device: torch.device) -> StaticBuffers:
 
 
 def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
-    """The step through `policy.fused`; a compiled layer step that fails falls back to eager."""
+    """The step through `sampler.fused`; a compiled layer step that fails falls back to eager."""
     b = static.buffers
     assert b is not None, "static_feed fills the buffers first"
     args = (static.cache.layers, b.ids_R1[:rows], b.pos_3R1[:, :rows], b.index_1,
@@ -147,7 +144,7 @@ def _fused_step(static: StaticDecode, rows: int, window: int) -> torch.Tensor:
         if static.layer_step is layer_step:
             raise
         static.layer_step, static.compile_error = layer_step, f"{type(err).__name__}: {err}"
-        warn_fallback("speed.compile_decode", static.compile_error)
+        warn_fallback("engine.compile_decode", static.compile_error)
         return fused_step(static.fused, layer_step, *args)
 
 
@@ -196,7 +193,7 @@ def _run_step(model: Any, static: StaticDecode, rows: int, window: int) -> torch
             static.graphs[key] = _capture(model, static, rows, window)
         except Exception as err:  # noqa: BLE001 - any capture failure: fall back, say why
             static.use_graphs, static.error = False, f"{type(err).__name__}: {err}"
-            warn_fallback("speed.cuda_graphs", static.error)
+            warn_fallback("engine.cuda_graphs", static.error)
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
             return _step(model, static, rows, window)
@@ -262,3 +259,23 @@ class GraphEngine(TransformersEngine):
         extend(self.lm.model, live, prompts_P, self.pad_id)
         repeat_rows(live, n)
         return TransformersRows(self, live)
+
+
+def graph_metrics(static: StaticDecode) -> dict[str, float]:
+    """`speed/cuda_graphs`, and `speed/compile_decode` when it was asked for: 1.0 running, 0.0
+    fallen back (its warning said why)."""
+    out = {"speed/cuda_graphs": float(static.use_graphs)}
+    if static.compiled:
+        out["speed/compile_decode"] = float(not static.compile_error)
+    return out
+
+
+def graph_engine(lm: Any, settings: EngineSettings) -> GraphEngine:
+    """Our engine over CUDA graphs with the knobs of `settings`: grouped-query decode attention,
+    a KV pool of kv_rows x kv_tokens, fused and compiled decode steps."""
+    if settings.gqa_decode:
+        use_gqa_decode_attention(lm.model)
+    static = make_static_decode(lm.model, settings.kv_rows or 64, settings.kv_tokens,
+                                settings.bucket, use_graphs=True, fused=settings.fused_decode,
+                                compiled=settings.compile_decode)
+    return GraphEngine(lm, static)
