@@ -16,6 +16,7 @@ EXTRAS: dict[str, str] = {
     "fastapi": "serve",
     "starlette": "serve",
     "openai": "serve",
+    "prometheus_client": "serve",
     "tensorboard": "tensorboard",
     "mlflow": "mlflow",
     "sqlalchemy": "mlflow",

@@ -4,6 +4,7 @@ replica; Ray Serve runs the replicas (or, with address "", a uvicorn thread of t
 See `workbench.serve.deploy` (start, serve, shutdown),
 `workbench.serve.app` (the ASGI app), `workbench.serve.engine` (base + adapters + sampler),
 `workbench.serve.limits` (what one request may take: body, context, pixels, queue, time),
+`workbench.serve.metrics` (the Prometheus metrics of /metrics),
 `workbench.serve.parity` (served log-probs against the trainer's) and
 `workbench.serve.vllm` (the GPU config for Ray Serve LLM).
 

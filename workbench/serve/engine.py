@@ -120,7 +120,7 @@ class Replica:
     # name -> peft name (transformers) or vLLM LoRARequest (vllm), least recently used first
     resident: OrderedDict[str, Any] = field(default_factory=OrderedDict)
     counters: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
-        ("requests", "hits", "misses", "evictions", "fetches", "load_failures"), 0))
+        ("requests", "hits", "misses", "loads", "evictions", "fetches", "load_failures"), 0))
     lock: threading.Lock = field(default_factory=threading.Lock)
     default_seen: tuple[float, str | None] = (0.0, None)  # (when read, serving default)
     backend: Any = None  # vllm: its VLLMBackend (async engine, LoRA ids); transformers: None
@@ -277,6 +277,7 @@ def ensure_adapter(engine: Replica, model: str, name: str) -> str:
                            f"{type(err).__name__}: {str(err)[:200]}", status=422,
                            code="adapter_broken") from None
     engine.resident[name] = internal
+    engine.counters["loads"] += 1
     while len(engine.resident) > engine.settings.cache_size:
         _, old = engine.resident.popitem(last=False)
         peft_model.set_adapter(internal)  # never delete the active adapter
@@ -332,7 +333,8 @@ def list_models(engine: Replica) -> dict[str, Any]:
 
 
 def engine_stats(engine: Replica) -> dict[str, Any]:
-    """Counters of this replica: requests, adapter cache hits / misses / evictions, resident."""
+    """Counters of this replica: requests, adapter cache hits / misses (a miss is a load unless
+    the adapter is refused) / loads / evictions, resident."""
     return {"replica": f"{socket.gethostname()}:{os.getpid()}", "base": engine.settings.base_id,
             "base_weights_sha256": engine.base_hash, "cache_size": engine.settings.cache_size,
             "resident": list(engine.resident), **engine.counters}

@@ -180,6 +180,7 @@ def adapter_lora(engine: Replica, model: str, name: str) -> Any:
     lora_id = backend.lora_ids.setdefault((name, upload), len(backend.lora_ids) + 1)
     engine.resident[name] = backend.lora_cls(lora_name=name, lora_int_id=lora_id,
                                              lora_path=str(folder))
+    engine.counters["loads"] += 1
     while len(engine.resident) > engine.settings.cache_size:
         engine.resident.popitem(last=False)
         engine.counters["evictions"] += 1
