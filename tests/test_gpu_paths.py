@@ -127,7 +127,7 @@ def test_a_failed_graph_capture_falls_back_with_one_warning_and_a_metric(small,
     static step instead, one RuntimeWarning says why, and the host's speed/cuda_graphs is 0.0."""
     import warnings
 
-    from workbench.policy import graphs
+    from workbench.sampler import graphs
     from workbench.sampler.graphs import GraphEngine, make_static_decode
     from workbench.session.host import speed_metrics
 
@@ -169,7 +169,7 @@ def test_a_failing_compiled_decode_step_falls_back_with_one_warning(small) -> No
     eager = rollout_like(TransformersEngine(small), prompts, 2, 3, seed=7)
     static = make_static_decode(small.model, rows=4, capacity=64, bucket=32, use_graphs=False,
                                 fused=True)
-    static.layer_step = broken
+    static.layer_step, static.compiled = broken, True  # as if compiled, then failing
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("default")
         fallen = rollout_like(GraphEngine(small, static), prompts, 2, 3, seed=7)

@@ -256,7 +256,11 @@ def hostile_cases(maze: list[dict[str, Any]]) -> list[Case]:
              400, bad),
         Case("seed 'x'", _post_json(_chat(seed="x")), 400, bad),
         Case("seed 2**70", _post_json(_chat(seed=2**70)), 400, bad),
-        Case("stream true", _post_json(_chat(stream=True)), 400, "unsupported"),
+        Case("stream not a boolean", _post_json(_chat(stream="yes")), 400, bad),
+        Case("stream_options without stream", _post_json(_chat(
+            stream_options={"include_usage": True})), 400, bad),
+        Case("stream_options not an object", _post_json(_chat(stream=True,
+                                                              stream_options=[1])), 400, bad),
         Case("no messages", _post_json({"model": "tiny"}), 400, bad),
         Case("empty messages", _post_json({"model": "tiny", "messages": []}), 400, bad),
         Case("messages a string", _post_json({"model": "tiny", "messages": "hi"}), 400, bad),

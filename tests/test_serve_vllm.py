@@ -480,13 +480,46 @@ def _real_vllm() -> bool:
     return torch.cuda.is_available()
 
 
+def _streamed(client: Any, model: str, **extra: Any) -> list[dict[str, Any]]:
+    """The chunks of a streamed request (SSE `data:` events up to [DONE])."""
+    body = {"model": model, "messages": _messages(), "temperature": 0, "max_tokens": 4,
+            "stream": True} | extra
+    response = client.post("/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def test_a_streamed_reply_through_vllm_is_the_unstreamed_one(client: Any,
+                                                              fake_vllm: FakeAsyncVLLM) -> None:
+    """Each choice's chunks: the role, a token a chunk as vLLM's outputs grow (the fake yields
+    one token, then the rest), the finish reason; text, log-probs and usage as unstreamed."""
+    ask = dict(n=2, seed=3, temperature=0.5, logprobs=True)
+    status, whole = _chat(client, "tiny:a1", **ask)
+    assert status == 200
+    chunks = _streamed(client, "tiny:a1", stream_options={"include_usage": True}, **ask)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole["usage"]
+    for i, choice in enumerate(whole["choices"]):
+        mine = [c["choices"][0] for c in chunks[:-1] if c["choices"][0]["index"] == i]
+        assert mine[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in mine) == \
+            choice["message"]["content"] == "right"
+        assert [e for c in mine if c["logprobs"] for e in c["logprobs"]["content"]] == \
+            choice["logprobs"]["content"]
+        assert mine[-1]["finish_reason"] == choice["finish_reason"] == "stop"
+    seeds = [call["params"].seed for call in fake_vllm.calls]
+    assert seeds[:2] == seeds[2:]  # the same seeds, drawn from the request's
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not _real_vllm(), reason="needs vllm and a CUDA GPU (on the H200: vLLM 0.26.0 "
                     "from shared/gpu/gpu_site.tar.xz)")
 def test_real_vllm_serves_three_adapters_that_differ_from_the_base(store: storage.Store,
                                                                    tiny_dir: Path) -> None:
     """The tiny model through vLLM's async engine, 3 adapters: greedy replies (tokens and
-    log-probs) of each adapter differ from the base's, and all 3 were loaded once."""
+    log-probs) of each adapter differ from the base's, each streamed the same as unstreamed,
+    and all 3 were loaded once."""
     import urllib.request
 
     import openai
@@ -504,6 +537,14 @@ def test_real_vllm_serves_three_adapters_that_differ_from_the_base(store: storag
             r = client.chat.completions.create(model=model, messages=_messages(), max_tokens=8,
                                                temperature=0, logprobs=True)
             replies[model] = [(t.token, round(t.logprob, 3)) for t in r.choices[0].logprobs.content]
+            chunks = list(client.chat.completions.create(
+                model=model, messages=_messages(), max_tokens=8, temperature=0, logprobs=True,
+                stream=True))
+            streamed = [(t.token, round(t.logprob, 3)) for c in chunks if c.choices[0].logprobs
+                        for t in c.choices[0].logprobs.content]
+            assert streamed == replies[model]  # the same reply, streamed by vLLM
+            assert "".join(c.choices[0].delta.content or "" for c in chunks) == \
+                r.choices[0].message.content
         with urllib.request.urlopen(f"{endpoint.base_url}/stats") as response:
             stats = json.loads(response.read())
     finally:

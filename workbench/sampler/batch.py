@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,10 @@ from workbench.policy.engine import Completion, DeadlineExceeded, SamplingParams
 from workbench.policy.forward import core_model, masked_log_softmax
 from workbench.policy.stream import ChatFormat, Stream
 from workbench.sampler.kvcache import growable_cache
+
+OnStep = Callable[[list[int], list[int], list[float]], None]
+"""A decode step's rows still replying, the token each drew and its log-prob (row b is
+sample b % n of prompt b // n)."""
 
 
 @dataclass
@@ -154,10 +159,12 @@ def decode(
     params: SamplingParams,
     generator: torch.Generator | None = None,
     deadline: float = math.inf,
+    on_step: OnStep | None = None,
 ) -> list[Completion]:
     """Sample one reply per row from the cached state; the reply's tokens enter the cache
     (all but the last, which the next `extend` feeds with the stream). DeadlineExceeded once
-    time.monotonic() passes `deadline` before a step."""
+    time.monotonic() passes `deadline` before a step. `on_step(rows, tokens, logprobs)` sees each
+    step's tokens of the rows still replying (a streamed reply); what it raises stops decoding."""
     greedy = params.temperature <= 0
     assert live.logits_BV is not None, "an empty batch: extend it first"
     generator = device_generator(generator, live.logits_BV.device)
@@ -172,9 +179,12 @@ def decode(
         tok_B = _draw(logp_BV, greedy, generator)
         lp_B = logp_BV.gather(-1, tok_B[:, None]).squeeze(-1)
         tok_cpu_B, lp_list = tok_B.cpu(), lp_B.tolist()  # one device sync per step
-        for b in (~done_B).nonzero().flatten().tolist():
+        live_b = (~done_B).nonzero().flatten().tolist()
+        for b in live_b:
             tokens_BT[b].append(int(tok_cpu_B[b]))
             logps_BT[b].append(lp_list[b])
+        if on_step is not None:
+            on_step(live_b, [tokens_BT[b][-1] for b in live_b], [lp_list[b] for b in live_b])
         was_live_B = ~done_B
         done_B = done_B | (tok_cpu_B == fmt.im_end)
         if bool(done_B.all()) or step == params.max_tokens - 1:
@@ -216,11 +226,12 @@ def sample(
     generator: torch.Generator | None = None,
     pad_id: int = 0,
     deadline: float = math.inf,
+    on_step: OnStep | None = None,
 ) -> list[list[Completion]]:
     """Sample `n` replies for each stream (prefilled once): completions_P_n; DeadlineExceeded
-    once time.monotonic() passes `deadline` (see `decode`)."""
+    once time.monotonic() passes `deadline`; `on_step` sees each step's tokens (see `decode`)."""
     live = open_batch()
     extend(model, live, streams, pad_id)
     repeat_rows(live, n)
-    completions = decode(model, live, fmt, params, generator, deadline)
+    completions = decode(model, live, fmt, params, generator, deadline, on_step)
     return [completions[p * n:(p + 1) * n] for p in range(len(streams))]

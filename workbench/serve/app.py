@@ -2,7 +2,8 @@
 Ray Serve (`@serve.ingress`), under uvicorn, or in a test client without either.
 
     GET  /v1/models             the base, <base>:<adapter> for each published adapter
-    POST /v1/chat/completions   OpenAI chat completions (text and image_url data-URL parts)
+    POST /v1/chat/completions   OpenAI chat completions (text and image_url data-URL parts);
+                                "stream": true: chat.completion.chunk events (`serve.stream`)
     GET  /v1/stats              this replica's counters (adapter cache hits / misses / loads /
                                 evictions, requests in flight and refused for a full queue)
     GET  /health                200 {"status": "ok"} without the API key: answered on the event
@@ -36,12 +37,14 @@ import hmac  # no `from __future__ import annotations`: FastAPI reads the route 
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 from workbench.deps import require
-from workbench.serve.chat import measure_messages, parse_request
+from workbench.serve.chat import ChatRequest, measure_messages, parse_request
 from workbench.serve.engine import (
     Replica,
+    answer_stream,
     engine_stats,
     generate,
     key_hash,
@@ -55,10 +58,21 @@ from workbench.serve.metrics import (
     ServeMetrics,
     open_metrics,
     record_answer,
+    record_first_token,
     record_reply,
+    record_stream,
     scrape,
 )
-from workbench.serve.vllm_async import generate_vllm
+from workbench.serve.stream import (
+    Chunks,
+    Events,
+    first_event,
+    produce,
+    produce_async,
+    sse_body,
+    streaming_response,
+)
+from workbench.serve.vllm_async import answer_stream_vllm, generate_vllm
 
 LOG = logging.getLogger("workbench.serve")
 HEALTH_PATH = "/health"  # the one path answered without the API key
@@ -117,8 +131,9 @@ def _record(metrics: ServeMetrics, request: Any, status: int) -> None:
     """The answer to `request` in `metrics`, with what the route and the handlers noted in
     request.state (the model asked for, the error code)."""
     state = request.state
+    elapsed = None if getattr(state, "streamed", False) else time.perf_counter() - state.started
     record_answer(metrics, request.url.path, getattr(state, "model", ""), status,
-                  getattr(state, "error_code", ""), time.perf_counter() - state.started)
+                  getattr(state, "error_code", ""), elapsed)
 
 
 def _add_error_handlers(app: Any) -> None:
@@ -160,6 +175,10 @@ def _add_openai_routes(app: Any, engine: Replica, gate: Gate, metrics: ServeMetr
         request.state.model = parsed.model
         limits = prompt_limits(engine, parsed)  # refused here, the queue is never entered
         await run_in_threadpool(measure_messages, parsed.messages, limits)
+        if parsed.stream:
+            request.state.streamed = True
+            return await open_stream(engine, parsed, gate, worker, metrics,
+                                     request.state.started)
         with gate.admit():
             deadline = time.monotonic() + s.request_timeout_s
             if engine.backend is not None:  # vllm: awaited, never behind the engine's lock
@@ -169,6 +188,41 @@ def _add_openai_routes(app: Any, engine: Replica, gate: Gate, metrics: ServeMetr
                 reply = await loop.run_in_executor(worker, generate, engine, parsed, deadline)
         record_reply(metrics, parsed.model, reply, time.perf_counter() - request.state.started)
         return reply
+
+
+async def open_stream(engine: Replica, parsed: ChatRequest, gate: Gate, worker: Any,
+                      metrics: ServeMetrics, started: float) -> Any:
+    """A streamed reply (`serve.stream`): its place in the queue is held until the stream ends;
+    the engine's answer runs on the engine's worker (transformers) or as a task (vllm); an
+    error before the prompt is rendered is the request's HTTP error."""
+    gate.enter()
+    deadline = time.monotonic() + engine.settings.request_timeout_s
+    events = Events(asyncio.get_running_loop())
+    task: asyncio.Future[None]
+    if engine.backend is not None:
+        task = asyncio.create_task(produce_async(
+            events, partial(answer_stream_vllm, engine, parsed, deadline)))
+    else:
+        task = asyncio.get_running_loop().run_in_executor(
+            worker, produce, events, partial(answer_stream, engine, parsed, deadline))
+    chunks: list[Chunks] = []
+
+    def close() -> None:
+        events.gone.set()  # the worker stops at its next step; the vLLM task is cancelled
+        task.cancel()
+        gate.leave()
+        if chunks:
+            record_stream(metrics, parsed.model, chunks[0].prompt_tokens,
+                          chunks[0].completion_tokens(), time.perf_counter() - started)
+
+    try:
+        start = await first_event(events, deadline)
+    except BaseException:
+        close()
+        raise
+    chunks.append(Chunks(parsed, engine.lm.processor.tokenizer, start.prompt_tokens))
+    first_token = partial(record_first_token, metrics, parsed.model, started)
+    return streaming_response(sse_body(chunks[0], events, first_token), deadline, close)
 
 
 def _add_replica_routes(app: Any, engine: Replica, gate: Gate, metrics: ServeMetrics) -> None:

@@ -47,6 +47,8 @@ class ChatRequest:
     n: int = 1
     seed: int | None = None
     logprobs: bool = False
+    stream: bool = False  # the reply as chat.completion.chunk events (`serve.stream`)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def parse_request(body: Any, default_max_tokens: int, max_tokens_limit: int) -> ChatRequest:
@@ -58,8 +60,6 @@ def parse_request(body: Any, default_max_tokens: int, max_tokens_limit: int) -> 
             raise RequestError(f"missing required field {key!r}")
     if not isinstance(body["model"], str):
         raise RequestError(f"'model' must be a string, not {shown(body['model'])}")
-    if body.get("stream"):
-        raise RequestError("stream=true is not supported by this server", code="unsupported")
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise RequestError("'messages' must be a non-empty list")
@@ -78,8 +78,25 @@ def parse_request(body: Any, default_max_tokens: int, max_tokens_limit: int) -> 
     if body.get("top_logprobs"):
         raise RequestError("top_logprobs is not supported by this server: logprobs=true gives "
                            "each sampled token's log-prob", code="unsupported")
+    stream, include_usage = _streaming(body)
     return ChatRequest(body["model"], messages, max_tokens, temperature, n, seed,
-                       bool(body.get("logprobs")))
+                       bool(body.get("logprobs")), stream, include_usage)
+
+
+def _streaming(body: dict[str, Any]) -> tuple[bool, bool]:
+    """(stream, stream_options.include_usage) of a request; 400 for a wrong type, or for
+    stream_options without stream (as OpenAI's API answers)."""
+    stream, options = body.get("stream", False), body.get("stream_options")
+    if not isinstance(stream, bool) and stream is not None:
+        raise RequestError(f"stream must be true or false, not {shown(stream)}")
+    if options is None:
+        return bool(stream), False
+    if not stream:
+        raise RequestError("stream_options is only allowed with stream=true")
+    if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+        raise RequestError(f"stream_options must be {{\"include_usage\": true|false}}, not "
+                           f"{shown(options)}")
+    return True, bool(options.get("include_usage", False))
 
 
 def _first(body: dict[str, Any], *keys: str) -> Any:
@@ -247,16 +264,20 @@ def completion_json(request: ChatRequest, processor: Any, prompt_tokens: int,
         choice: dict[str, Any] = {"index": i, "message": {"role": "assistant", "content": text},
                                   "finish_reason": c.stop_reason, "logprobs": None}
         if request.logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": processor.tokenizer.decode([t]), "logprob": lp,
-                 "bytes": list(token_bytes(processor.tokenizer, t)), "top_logprobs": []}
-                for t, lp in zip(c.tokens, c.logprobs)]}
+            choice["logprobs"] = {"content": [logprob_entry(processor.tokenizer, t, lp)
+                                              for t, lp in zip(c.tokens, c.logprobs)]}
         choices.append(choice)
     completion_tokens = sum(len(c.tokens) for c in completions)
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": request.model, "choices": choices,
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}}
+
+
+def logprob_entry(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
+    """One sampled token in OpenAI's logprobs.content (no alternatives: top_logprobs empty)."""
+    return {"token": tokenizer.decode([token_id]), "logprob": logprob,
+            "bytes": list(token_bytes(tokenizer, token_id)), "top_logprobs": []}
 
 
 @cache

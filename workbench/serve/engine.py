@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +39,7 @@ from workbench.engines import ENGINES
 from workbench.model import LoadedModel, LoraSettings, add_lora, load_model, weights_hash
 from workbench.policy import ChatFormat, Completion, SamplingParams, Stream, chat_format
 from workbench.policy.engine import DeadlineExceeded, context_len, model_max_len
-from workbench.sampler.batch import sample
+from workbench.sampler.batch import OnStep, sample
 from workbench.serve.chat import ChatRequest, completion_json, render_messages
 from workbench.serve.errors import RequestError, shown
 from workbench.serve.limits import (
@@ -48,6 +49,7 @@ from workbench.serve.limits import (
     text_bound,
     timeout_error,
 )
+from workbench.serve.stream import Finish, Start, Token
 
 
 @dataclass(frozen=True)
@@ -296,23 +298,47 @@ def generate(engine: Replica, request: ChatRequest,
         adapter = resolve_model(engine, request.model)
         stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
                                  prompt_limits(engine, request))
-        completions = _sample(engine, request, adapter, stream, deadline)
+        internal = None if adapter is None else ensure_adapter(engine, request.model, adapter)
+        completions = _sample(engine, request, internal, stream, deadline)
     return completion_json(request, engine.lm.processor, len(stream), completions)
 
 
-def _sample(engine: Replica, request: ChatRequest, adapter: str | None, stream: Stream,
-            deadline: float) -> list[Completion]:
-    """The request's n completions of `stream` from the base or `adapter` (the lock held)."""
+def answer_stream(engine: Replica, request: ChatRequest, deadline: float,
+                  put: Callable[[Any], None]) -> None:
+    """Answer a streamed chat request (`serve.stream`): put(Start) once the prompt is rendered,
+    a Token per decode step and choice, a Finish per choice. Under the engine's lock, as
+    `generate`; StreamClosed from `put` (the client left) stops the decode at that step."""
+    with held(engine.lock, deadline, engine.settings.request_timeout_s, "the engine"):
+        engine.counters["requests"] += 1
+        adapter = resolve_model(engine, request.model)
+        stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
+                                 prompt_limits(engine, request))
+        internal = None if adapter is None else ensure_adapter(engine, request.model, adapter)
+        put(Start(len(stream)))
+
+        def on_step(rows: list[int], tokens: list[int], logprobs: list[float]) -> None:
+            for index, token, logprob in zip(rows, tokens, logprobs):
+                put(Token(index, token, logprob))
+
+        completions = _sample(engine, request, internal, stream, deadline, on_step)
+    for index, completion in enumerate(completions):
+        put(Finish(index, completion.stop_reason))
+
+
+def _sample(engine: Replica, request: ChatRequest, internal: str | None, stream: Stream,
+            deadline: float, on_step: OnStep | None = None) -> list[Completion]:
+    """The request's n completions of `stream` from the base or the loaded adapter `internal`
+    (`ensure_adapter`; the lock held)."""
     seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(4), "little")
     params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
     model = engine.lm.model
-    if adapter is not None:
-        model.set_adapter(ensure_adapter(engine, request.model, adapter))
+    if internal is not None:
+        model.set_adapter(internal)
     try:
-        with model.disable_adapter() if adapter is None else nullcontext():
+        with model.disable_adapter() if internal is None else nullcontext():
             return sample(model, engine.fmt, [stream], request.n, params,
                           torch.Generator().manual_seed(seed),
-                          engine.lm.processor.tokenizer.pad_token_id, deadline)[0]
+                          engine.lm.processor.tokenizer.pad_token_id, deadline, on_step)[0]
     except DeadlineExceeded as stop:
         raise timeout_error(engine.settings.request_timeout_s, f"after {stop.tokens} of "
                             f"{request.max_tokens} reply tokens") from None

@@ -171,8 +171,9 @@ class Gate:
     held: int = 0
     refused: int = 0
 
-    @contextmanager
-    def admit(self) -> Iterator[None]:
+    def enter(self) -> None:
+        """Hold one more request, or 429 when `limit` are held (a stream holds its place until
+        it ends: `leave`)."""
         if self.held >= self.limit:
             self.refused += 1
             raise RequestError(f"this server holds {self.held} requests, its limit "
@@ -180,10 +181,17 @@ class Gate:
                                status=429, code="queue_full", kind="rate_limit_error",
                                headers={"Retry-After": str(RETRY_AFTER_S)})
         self.held += 1
+
+    def leave(self) -> None:
+        self.held -= 1
+
+    @contextmanager
+    def admit(self) -> Iterator[None]:
+        self.enter()
         try:
             yield
         finally:
-            self.held -= 1
+            self.leave()
 
 
 def timeout_error(timeout_s: float, where: str) -> RequestError:

@@ -6,8 +6,8 @@ The app serves them at GET /metrics (with the API key, when one is set).
                                                           error code, status the HTTP status
     workbench_serve_refusals_total{reason}                every 4xx / 5xx answer, by error code
     workbench_serve_queue_depth                           requests held now (running or waiting)
-    workbench_serve_time_to_first_token_seconds{model}    arrival to the reply being ready
-    workbench_serve_request_latency_seconds{model}        arrival to the response being sent
+    workbench_serve_time_to_first_token_seconds{model}    arrival to the first token
+    workbench_serve_request_latency_seconds{model}        arrival to the response's end
     workbench_serve_prompt_tokens_total{model}            the replies' usage.prompt_tokens
     workbench_serve_completion_tokens_total{model}        the replies' usage.completion_tokens
     workbench_serve_adapter_loads_total                   adapters loaded onto the replica
@@ -16,12 +16,13 @@ The app serves them at GET /metrics (with the API key, when one is set).
 
 The histograms and token counters count the chat requests answered 200. A `model` label is
 either the base id or a `<base>:<adapter>` this app has served at least once (so at most the
-published adapters); any other request counts under model="". Without streaming, the first
-token comes with the whole reply: time to first token is the time until the reply is ready.
+published adapters); any other request counts under model="". A stream's first token is its
+first token chunk; unstreamed, the first token comes with the whole reply.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -73,12 +74,12 @@ def open_metrics(engine: Replica, gate: Gate) -> ServeMetrics:
         Counter(PREFIX + "refusals", "Answers with a 4xx or 5xx status, by error code",
                 ("reason",), registry=registry),
         Histogram(PREFIX + "time_to_first_token_seconds", "Seconds from a chat request's "
-                  "arrival to its reply being ready (no streaming: the first token comes with "
-                  "the whole reply); requests answered 200", model, registry=registry,
-                  buckets=LATENCY_BUCKETS_S),
+                  "arrival to its first token (a stream's first token chunk; unstreamed, the "
+                  "first token comes with the whole reply); requests answered 200", model,
+                  registry=registry, buckets=LATENCY_BUCKETS_S),
         Histogram(PREFIX + "request_latency_seconds", "Seconds from a chat request's arrival "
-                  "to its response being sent; requests answered 200", model, registry=registry,
-                  buckets=LATENCY_BUCKETS_S),
+                  "to its response being sent (a stream: to its end); requests answered 200",
+                  model, registry=registry, buckets=LATENCY_BUCKETS_S),
         Counter(PREFIX + "prompt_tokens", "Prompt tokens of the replies (usage.prompt_tokens)",
                 model, registry=registry),
         Counter(PREFIX + "completion_tokens", "Completion tokens of the replies "
@@ -126,9 +127,10 @@ def record_reply(metrics: ServeMetrics, model: str, reply: dict[str, Any],
 
 
 def record_answer(metrics: ServeMetrics, path: str, model: str, status: int, code: str,
-                  elapsed_s: float) -> None:
+                  elapsed_s: float | None) -> None:
     """An answer of the app, `elapsed_s` after its request arrived: a refusal (4xx / 5xx) by
-    its error code; a chat request by model, outcome and status (and its latency when 200)."""
+    its error code; a chat request by model, outcome and status (and its latency when 200;
+    None: a stream, whose latency `record_stream` takes when it ends)."""
     if status >= 400:
         metrics.refusals.labels(error_code(status, code)).inc()
     if path != CHAT_PATH:
@@ -136,8 +138,24 @@ def record_answer(metrics: ServeMetrics, path: str, model: str, status: int, cod
     label = model_label(metrics, model)
     outcome = "ok" if status < 400 else error_code(status, code)
     metrics.requests.labels(label, outcome, str(status)).inc()
-    if status == 200:
+    if status == 200 and elapsed_s is not None:
         metrics.latency.labels(label).observe(elapsed_s)
+
+
+def record_first_token(metrics: ServeMetrics, model: str, started: float) -> None:
+    """A stream's first token, sent `time.perf_counter() - started` after its request came."""
+    metrics.served.add(model)
+    metrics.time_to_first_token.labels(model).observe(time.perf_counter() - started)
+
+
+def record_stream(metrics: ServeMetrics, model: str, prompt_tokens: int,
+                  completion_tokens: int, elapsed_s: float) -> None:
+    """A stream that ended `elapsed_s` after its request came (finished, or its client gone):
+    its tokens sent and its latency."""
+    metrics.served.add(model)
+    metrics.prompt_tokens.labels(model).inc(prompt_tokens)
+    metrics.completion_tokens.labels(model).inc(completion_tokens)
+    metrics.latency.labels(model).observe(elapsed_s)
 
 
 def scrape(metrics: ServeMetrics, accept: str) -> tuple[bytes, str]:

@@ -33,6 +33,7 @@ import asyncio
 import importlib
 import json
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -57,6 +58,7 @@ from workbench.serve.engine import (
 )
 from workbench.serve.errors import RequestError
 from workbench.serve.limits import held, remaining_s, text_bound, timeout_error
+from workbench.serve.stream import Finish, Start, Token
 from workbench.vllm.args import checked_max_len, engine_kwargs, import_vllm
 from workbench.vllm.engine import (
     check_prompt,
@@ -226,10 +228,7 @@ async def generate_vllm(engine: Replica, request: ChatRequest,
     requests are cancelled, and vLLM's generate aborts a cancelled request)."""
     stream, prompt, lora = await asyncio.to_thread(prepare, engine, request, deadline)
     backend: VLLMBackend = engine.backend
-    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
-    generator = None if request.seed is None else torch.Generator().manual_seed(request.seed)
-    params_N = [sampling_params(backend.vllm, params, engine.fmt, seed)
-                for seed in row_seeds(request.n, generator)]
+    params_N = choice_params(engine, request)
     try:
         outputs_N = await asyncio.wait_for(asyncio.gather(
             *(final_output(backend.llm, prompt, p, lora) for p in params_N)),
@@ -240,3 +239,39 @@ async def generate_vllm(engine: Replica, request: ChatRequest,
         check_prompt(out.prompt_token_ids, stream)
     completions = [to_completion(out.outputs[0], engine.fmt) for out in outputs_N]
     return completion_json(request, engine.lm.processor, len(stream), completions)
+
+
+def choice_params(engine: Replica, request: ChatRequest) -> list[Any]:
+    """vllm.SamplingParams of each of the request's n choices, seeds drawn from its seed."""
+    params = SamplingParams(max_tokens=request.max_tokens, temperature=request.temperature)
+    generator = None if request.seed is None else torch.Generator().manual_seed(request.seed)
+    return [sampling_params(engine.backend.vllm, params, engine.fmt, seed)
+            for seed in row_seeds(request.n, generator)]
+
+
+async def answer_stream_vllm(engine: Replica, request: ChatRequest, deadline: float,
+                             put: Callable[[Any], None]) -> None:
+    """Answer a streamed chat request through vLLM (`serve.stream`): put(Start) once the prompt
+    is rendered, a Token as each choice's output grows, a Finish per choice. Cancelled (the
+    client left, or past the deadline): vLLM aborts the choices' requests."""
+    stream, prompt, lora = await asyncio.to_thread(prepare, engine, request, deadline)
+    put(Start(len(stream)))
+    await asyncio.gather(*(stream_choice(engine, prompt, params, lora, stream, index, put)
+                           for index, params in enumerate(choice_params(engine, request))))
+
+
+async def stream_choice(engine: Replica, prompt: dict[str, Any], params: Any, lora: Any,
+                        stream: Stream, index: int, put: Callable[[Any], None]) -> None:
+    """One choice's vLLM request, its new tokens put as they come (vLLM's outputs are
+    cumulative), then its Finish."""
+    sent, last = 0, None
+    async for out in engine.backend.llm.generate(prompt, params, uuid.uuid4().hex,
+                                                 lora_request=lora):
+        output = out.outputs[0]
+        for k in range(sent, len(output.token_ids)):
+            token = output.token_ids[k]
+            put(Token(index, token, float(output.logprobs[k][token].logprob)))
+        sent, last = len(output.token_ids), out
+    assert last is not None, "vLLM answered nothing"
+    check_prompt(last.prompt_token_ids, stream)
+    put(Finish(index, to_completion(last.outputs[0], engine.fmt).stop_reason))
