@@ -294,11 +294,7 @@ def generate(engine: Replica, request: ChatRequest,
     once time.monotonic() passes `deadline` (waiting for the engine, or between decode steps).
     The prompt is rendered under the engine's lock too: one request's images at a time."""
     with held(engine.lock, deadline, engine.settings.request_timeout_s, "the engine"):
-        engine.counters["requests"] += 1
-        adapter = resolve_model(engine, request.model)
-        stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
-                                 prompt_limits(engine, request))
-        internal = None if adapter is None else ensure_adapter(engine, request.model, adapter)
+        stream, internal = _prepare(engine, request)
         completions = _sample(engine, request, internal, stream, deadline)
     return completion_json(request, engine.lm.processor, len(stream), completions)
 
@@ -309,11 +305,7 @@ def answer_stream(engine: Replica, request: ChatRequest, deadline: float,
     a Token per decode step and choice, a Finish per choice. Under the engine's lock, as
     `generate`; StreamClosed from `put` (the client left) stops the decode at that step."""
     with held(engine.lock, deadline, engine.settings.request_timeout_s, "the engine"):
-        engine.counters["requests"] += 1
-        adapter = resolve_model(engine, request.model)
-        stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
-                                 prompt_limits(engine, request))
-        internal = None if adapter is None else ensure_adapter(engine, request.model, adapter)
+        stream, internal = _prepare(engine, request)
         put(Start(len(stream)))
 
         def on_step(rows: list[int], tokens: list[int], logprobs: list[float]) -> None:
@@ -323,6 +315,16 @@ def answer_stream(engine: Replica, request: ChatRequest, deadline: float,
         completions = _sample(engine, request, internal, stream, deadline, on_step)
     for index, completion in enumerate(completions):
         put(Finish(index, completion.stop_reason))
+
+
+def _prepare(engine: Replica, request: ChatRequest) -> tuple[Stream, str | None]:
+    """A request under the engine's lock: counted, its model resolved, its prompt rendered and
+    its adapter loaded (the stream, and the adapter's name in the model or None: the base)."""
+    engine.counters["requests"] += 1
+    adapter = resolve_model(engine, request.model)
+    stream = render_messages(engine.lm.processor, engine.fmt, request.messages,
+                             prompt_limits(engine, request))
+    return stream, None if adapter is None else ensure_adapter(engine, request.model, adapter)
 
 
 def _sample(engine: Replica, request: ChatRequest, internal: str | None, stream: Stream,
