@@ -4,7 +4,8 @@
 Layout are checked against it. No import cycle; no underscore name imported from another
 module; no module imports from a layer above its own; the model, the sampler, the session and
 its Ray backend do not know the maze. The benchmarks import no private name and nothing from
-tests/.
+tests/. Each sampler fact (the vLLM import and its hint, its engine arguments, the context
+length, the engine registry, where a host's engine is set) is written in one file.
 """
 
 from __future__ import annotations
@@ -240,3 +241,32 @@ def test_each_benchmark_names_its_question_and_its_results_section() -> None:
         found = re.search(r'Answers: (.+?\?) Figures: benchmarks/RESULTS\.md, "([^"]+)"\.', doc)
         named[path.name] = found[2] if found else "(no 'Answers: ...? Figures: ...' line)"
     assert {k: v for k, v in named.items() if v not in headings} == {}
+
+
+# ------------------------------------------------------------ one home for each sampler fact
+
+ONCE = {
+    "def import_vllm(": "workbench/vllm/args.py",  # the import, with its install hint
+    "INSTALL_HINT = ": "workbench/vllm/args.py",
+    "def engine_kwargs(": "workbench/vllm/args.py",  # vLLM's engine arguments
+    "def extends(": "workbench/policy/engine.py",
+    "or min(model_len, DEFAULT_MAX_LEN)": "workbench/policy/engine.py",  # the context length
+    "engine=make_engine(": "workbench/session/host.py",  # where a host's engine is set
+    "ENGINES: dict[": "workbench/engines.py",  # the one registry of engines
+    "def warn_fallback(": "workbench/deps.py",
+}
+"""Each sampler fact and the one file that states it."""
+
+
+@pytest.mark.parametrize("text", sorted(ONCE))
+def test_each_sampler_fact_is_written_once(text: str) -> None:
+    homes = [str(p.relative_to(REPO)) for p in sorted(ROOT.rglob("*.py"))
+             for line in p.read_text().splitlines()
+             if text in line and not line.lstrip().startswith("#")]
+    assert homes == [ONCE[text]]
+
+
+def test_no_host_replaces_its_engine() -> None:
+    assigned = [str(p.relative_to(REPO)) for p in ROOT.rglob("*.py")
+                if re.search(r"host\.engine\s*=", p.read_text())]
+    assert assigned == []

@@ -12,6 +12,7 @@ starlette's test client (the tiny model, adapter a0 in a local registry):
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import random
 import threading
 from collections.abc import Iterator
@@ -144,9 +145,9 @@ class Case:
 
 
 def mix(rng: random.Random) -> list[Case]:
-    """3 well-formed requests to the base and 2 to adapter a0 (seeded max_tokens, temperature
-    and seed), then one wrong key, one unknown model, one prompt past the context and one body
-    that is not JSON; shuffled."""
+    """3 well-formed requests to the base and 3 to adapter a0, one of them streamed (seeded
+    max_tokens, temperature and seed), then one wrong key, one unknown model, one prompt past
+    the context and one body that is not JSON; shuffled."""
     maze = first_messages(MAZE, eval_set(5, 1)[0])
 
     def good(model: str) -> dict[str, Any]:
@@ -156,6 +157,8 @@ def mix(rng: random.Random) -> list[Case]:
     long_prompt = [{"role": "user", "content": "up " * 4100}]  # past the 4,096-token context
     cases = [Case(f"base {k}", good("tiny"), 200, label="tiny") for k in range(3)]
     cases += [Case(f"a0 {k}", good("tiny:a0"), 200, label="tiny:a0") for k in range(2)]
+    cases += [Case("a0 streamed", good("tiny:a0") | {
+        "stream": True, "stream_options": {"include_usage": True}}, 200, label="tiny:a0")]
     cases += [
         Case("wrong key", good("tiny"), 401, "invalid_api_key", key="not-the-key"),
         Case("unknown model", good("gpt-4"), 404, "model_not_found"),
@@ -175,13 +178,22 @@ def send(client: Any, case: Case) -> Any:
     return client.post(CHAT, json=case.body, headers=_auth(case.key))
 
 
+def reply_usage(response: Any) -> dict[str, int]:
+    """The usage of a reply, or of a stream (its last chunk before [DONE])."""
+    if not response.headers["content-type"].startswith("text/event-stream"):
+        return response.json()["usage"]
+    events = [e.removeprefix("data: ") for e in response.text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    return json.loads(events[-2])["usage"]
+
+
 def test_metrics_count_a_seeded_mix_exactly(client: Any) -> None:
     cases, usage = mix(random.Random(SEED)), {"tiny": [0, 0], "tiny:a0": [0, 0]}
     for case in cases:
         response = send(client, case)
         assert response.status_code == case.status, (case.name, response.text[:300])
         if case.status == 200:
-            tokens = response.json()["usage"]
+            tokens = reply_usage(response)
             usage[case.label][0] += tokens["prompt_tokens"]
             usage[case.label][1] += tokens["completion_tokens"]
         else:
@@ -189,7 +201,7 @@ def test_metrics_count_a_seeded_mix_exactly(client: Any) -> None:
     text = scrape(client)
     assert samples(text, "workbench_serve_requests_total") == {
         (("model", "tiny"), ("outcome", "ok"), ("status", "200")): 3.0,
-        (("model", "tiny:a0"), ("outcome", "ok"), ("status", "200")): 2.0,
+        (("model", "tiny:a0"), ("outcome", "ok"), ("status", "200")): 3.0,
         (("model", ""), ("outcome", "invalid_api_key"), ("status", "401")): 1.0,
         (("model", ""), ("outcome", "model_not_found"), ("status", "404")): 1.0,
         (("model", "tiny"), ("outcome", "context_length_exceeded"), ("status", "400")): 1.0,
@@ -197,13 +209,13 @@ def test_metrics_count_a_seeded_mix_exactly(client: Any) -> None:
     assert samples(text, "workbench_serve_refusals_total") == {
         (("reason", "invalid_api_key"),): 1.0, (("reason", "model_not_found"),): 1.0,
         (("reason", "context_length_exceeded"),): 1.0, (("reason", "invalid_request"),): 1.0}
-    served = {(("model", "tiny"),): 3.0, (("model", "tiny:a0"),): 2.0}
+    served = {(("model", "tiny"),): 3.0, (("model", "tiny:a0"),): 3.0}
     for histogram in ("time_to_first_token_seconds", "request_latency_seconds"):
         assert samples(text, f"workbench_serve_{histogram}_count") == served, histogram
         buckets = samples(text, f"workbench_serve_{histogram}_bucket")
         assert {k: v for k, v in buckets.items() if ("le", "+Inf") in k} == {
             (("le", "+Inf"), ("model", "tiny")): 3.0,
-            (("le", "+Inf"), ("model", "tiny:a0")): 2.0}, histogram
+            (("le", "+Inf"), ("model", "tiny:a0")): 3.0}, histogram
     assert samples(text, "workbench_serve_prompt_tokens_total") == {
         (("model", m),): float(u[0]) for m, u in usage.items()}
     assert samples(text, "workbench_serve_completion_tokens_total") == {
@@ -213,7 +225,7 @@ def test_metrics_count_a_seeded_mix_exactly(client: Any) -> None:
     assert samples(text, "workbench_serve_adapter_evictions_total") == {(): 0.0}
     assert samples(text, "workbench_serve_adapters_resident") == {(): 1.0}
     stats = client.get("/v1/stats", headers=_auth()).json()
-    assert (stats["misses"], stats["loads"], stats["hits"]) == (1, 1, 1)
+    assert (stats["misses"], stats["loads"], stats["hits"]) == (1, 1, 2)
 
 
 # ------------------------------------------------------------------ deploy/serve.yaml
