@@ -372,16 +372,18 @@ def test_hostile_corpus_among_50_clients(server: Server) -> None:
 
 
 def test_past_max_queue_a_request_gets_429_at_once_and_slow_ones_504(tiny_dir: Path) -> None:
-    """max_queue 2, request_timeout_s 1.5: two long requests (about 4 s of decoding each) are
-    held; a third gets 429 with Retry-After while both are still in flight; both then get 504
-    (one stopped between decode steps, one while waiting for the engine); the server answers
-    the next request."""
+    """max_queue 2, request_timeout_s 1.5: two long requests (16 replies of up to 2,048 tokens
+    each: far more decoding than 1.5 s on any CPU, where 256 tokens can take less) are held; a
+    third gets 429 with Retry-After while both are still in flight; both then get 504 (one
+    stopped between decode steps, one while waiting for the engine); the server answers the
+    next request."""
     from workbench.serve import serve, shutdown
 
     endpoint = serve(str(tiny_dir), served_name="tiny", port=0, api_key=KEY, address="",
-                     max_queue=2, request_timeout_s=1.5, log=lambda line: None)
+                     max_queue=2, request_timeout_s=1.5, max_tokens_limit=2048,
+                     log=lambda line: None)
     url = f"{endpoint.base_url}/chat/completions"
-    slow = _chat("up " * 1300, n=16, max_tokens=256, temperature=1.0)
+    slow = _chat("up " * 1300, n=16, max_tokens=2048, temperature=1.0)
     try:
         with httpx.Client(timeout=60, headers=_auth()) as client, \
                 cf.ThreadPoolExecutor(2) as pool:
