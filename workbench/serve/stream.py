@@ -84,20 +84,28 @@ class Events:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
 
 
+def end_events(events: Events, err: Exception | None = None) -> None:
+    """End the events (from the loop or a worker thread): `Failed` first when the answer raised
+    (a RequestError as it is, anything else as a 500), then None."""
+    if err is not None:
+        failure = err if isinstance(err, RequestError) else RequestError(
+            f"internal error: {type(err).__name__}", status=500, code="internal_error",
+            kind="server_error")
+        events.loop.call_soon_threadsafe(events.queue.put_nowait, Failed(failure))
+    events.loop.call_soon_threadsafe(events.queue.put_nowait, None)
+
+
 def produce(events: Events, answer: Callable[[Callable[[Any], None]], None]) -> None:
-    """Run `answer(put)` (an engine's streamed answer) and end the events: a RequestError it
-    raises becomes `Failed`, anything else a 500 `Failed`; StreamClosed ends quietly."""
+    """Run `answer(put)` (an engine's streamed answer, on a worker thread) and end the events
+    (`end_events`); StreamClosed (the client left) ends them quietly."""
     try:
         answer(events.put)
     except StreamClosed:
         return
-    except RequestError as err:
-        events.loop.call_soon_threadsafe(events.queue.put_nowait, Failed(err))
     except Exception as err:  # noqa: BLE001 - the stream ends with the error, not the server
-        events.loop.call_soon_threadsafe(events.queue.put_nowait, Failed(RequestError(
-            f"internal error: {type(err).__name__}", status=500, code="internal_error",
-            kind="server_error")))
-    events.loop.call_soon_threadsafe(events.queue.put_nowait, None)
+        end_events(events, err)
+        return
+    end_events(events)
 
 
 async def produce_async(events: Events, answer: Callable[[Callable[[Any], None]], Any]) -> None:
@@ -106,13 +114,10 @@ async def produce_async(events: Events, answer: Callable[[Callable[[Any], None]]
         await answer(events.put)
     except StreamClosed:
         return
-    except RequestError as err:
-        events.queue.put_nowait(Failed(err))
     except Exception as err:  # noqa: BLE001 - the stream ends with the error, not the server
-        events.queue.put_nowait(Failed(RequestError(
-            f"internal error: {type(err).__name__}", status=500, code="internal_error",
-            kind="server_error")))
-    events.queue.put_nowait(None)
+        end_events(events, err)
+        return
+    end_events(events)
 
 
 @dataclass

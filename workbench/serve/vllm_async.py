@@ -65,6 +65,7 @@ from workbench.vllm.engine import (
     row_seeds,
     sampling_params,
     to_completion,
+    token_logprob,
     vllm_prompt,
 )
 
@@ -269,8 +270,7 @@ async def stream_choice(engine: Replica, prompt: dict[str, Any], params: Any, lo
                                                  lora_request=lora):
         output = out.outputs[0]
         for k in range(sent, len(output.token_ids)):
-            token = output.token_ids[k]
-            put(Token(index, token, float(output.logprobs[k][token].logprob)))
+            put(Token(index, output.token_ids[k], token_logprob(output, k)))
         sent, last = len(output.token_ids), out
     assert last is not None, "vLLM answered nothing"
     check_prompt(last.prompt_token_ids, stream)

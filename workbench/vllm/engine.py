@@ -178,10 +178,15 @@ def turn_seed(base: int | None, row: int, turn: int) -> int | None:
     return int.from_bytes(digest, "little") & (2**31 - 1)
 
 
+def token_logprob(output: Any, k: int) -> float:
+    """The log-prob of a vLLM CompletionOutput's k-th sampled token (logprobs[k][token])."""
+    return float(output.logprobs[k][output.token_ids[k]].logprob)
+
+
 def to_completion(output: Any, fmt: ChatFormat) -> Completion:
-    """Our Completion from one vLLM CompletionOutput (token_ids; logprobs[t][token].logprob)."""
+    """Our Completion from one vLLM CompletionOutput (its token_ids and `token_logprob`s)."""
     tokens = list(output.token_ids)
-    logprobs = [float(step[tok].logprob) for step, tok in zip(output.logprobs, tokens)]
+    logprobs = [token_logprob(output, k) for k in range(len(tokens))]
     return Completion(tokens, logprobs, "stop" if tokens and tokens[-1] == fmt.im_end else "length")
 
 
