@@ -31,7 +31,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,7 +48,7 @@ from workbench.session.checkpoint import (
     verify_folder,
 )
 from workbench.session.clients import TrainingClient
-from workbench.storage import StorageError, Store
+from workbench.storage import IncompleteUpload, StorageError, Store
 
 Log = Callable[[str], Any]
 
@@ -64,7 +64,6 @@ STARTUP_FILES = ("config.json", "manifest.json", "session_spec.json")
 """What a start writes before its first checkpoint (resume_mode=latest with nothing to resume
 starts afresh over them)."""
 RESUME_FILES = ("config.json", "manifest.json", "metrics.jsonl", LATEST)  # + eval/ (from S3)
-MIRROR_STATE = ".mirror-state.json"  # in a working copy: what has been uploaded already
 _COUNTED = {CHECKPOINTS: "checkpoint", EXPORTS: "export", "eval": "eval result",
             "steps": "step record"}
 
@@ -122,7 +121,7 @@ def run_contents(store: Store, ignore: tuple[str, ...] = ()) -> str:
     left out."""
     counted, others = {}, []
     for name in storage.list_dir(store):
-        if name in ignore or name == MIRROR_STATE or TEMPORARY.fullmatch(name):
+        if name in ignore or name == storage.MIRROR_STATE or TEMPORARY.fullmatch(name):
             continue
         if name in _COUNTED:
             n = len([e for e in storage.list_dir(store, name) if not TEMPORARY.fullmatch(e)])
@@ -169,64 +168,43 @@ def clear_or_refuse(run: RunFolder, why: str, overwrite: bool, log: Log, **detai
 # ------------------------------------------------------------------------- checkpoints
 
 
-def checkpoint_problem(folder: Path) -> str:
-    """The first problem of a checkpoint folder in one line ("" when it is intact):
-    session.checkpoint.verify_folder, plus the files every checkpoint has."""
-    reason = verify_folder(folder)
-    if reason:
-        return reason
-    for name in (TRAINER_STATE, f"state/{COMPLETE}"):
-        if not (Path(folder) / name).is_file():
-            return f"{name} is missing"
-    return ""
+CHECKPOINT_FILES = (TRAINER_STATE, f"state/{COMPLETE}")  # what every checkpoint holds
 
 
 def find_checkpoint(run: RunFolder | str | Path, log: Log = print,
                     at_most: int | None = None) -> Path | None:
     """The newest intact checkpoint of a run (at or before step `at_most` when given) as a
-    local folder: a local run's own, or one of an s3:// prefix downloaded into its working copy.
-    Each one skipped is reported in one line, e.g. "skipping checkpoint global_step_8: state/
-    adapter_model.safetensors is damaged (sha256 mismatch)"; one without checksums (written
-    before them) is used with a one-line note."""
+    local folder: a local run's own, or one of an s3:// prefix downloaded into its working copy
+    (a torn upload is not; a damaged one is removed again). Each one skipped is reported in one
+    line, e.g. "skipping checkpoint global_step_8: state/adapter_model.safetensors is damaged
+    (sha256 mismatch)"; one without checksums (written before them) is used with a one-line
+    note. Names other than global_step_N are ignored: temporaries silently, anything else with
+    one line."""
     run = run if isinstance(run, RunFolder) else local_run(run)
-    for name in _checkpoint_names(run.store, log):
-        if at_most is not None and cast(int, step_of(name)) > at_most:
+    names = [n for n in storage.list_dir(run.store, CHECKPOINTS) if not TEMPORARY.fullmatch(n)]
+    steps = {name: int(match[1]) for name in names if (match := STEP_FOLDER.fullmatch(name))}
+    for name in sorted(set(names) - set(steps)):
+        log(f"ignoring checkpoints/{name}: not a global_step_<N> checkpoint folder")
+    for name in sorted(steps, key=steps.__getitem__, reverse=True):
+        if at_most is not None and steps[name] > at_most:
             continue
-        folder, problem = _checkpoint_here(run, name)
+        folder, problem = run.local / CHECKPOINTS / name, ""
+        if run.store.s3:
+            try:
+                storage.get_folder(run.store, f"{CHECKPOINTS}/{name}", folder)
+            except IncompleteUpload:
+                problem = INCOMPLETE
+        problem = problem or verify_folder(folder, CHECKPOINT_FILES)
         if problem:
             log(f"skipping checkpoint {name}: {problem}")
+            if run.store.s3 and folder.is_dir():
+                shutil.rmtree(folder)
             continue
         if not has_checksums(folder):
             log(f"checkpoint {name} has no SHA256SUMS.json (written before checksums): only its "
                 "JSON and safetensors structure were checked")
         return folder
     return None
-
-
-def _checkpoint_names(store: Store, log: Log) -> list[str]:
-    """The global_step_N entries of checkpoints/ (intact or not), highest step first. Other
-    names are ignored: temporaries silently, anything else with one line."""
-    found = []
-    for name in storage.list_dir(store, CHECKPOINTS):
-        if step_of(name) is not None:
-            found.append(name)
-        elif not TEMPORARY.fullmatch(name):
-            log(f"ignoring checkpoints/{name}: not a global_step_<N> checkpoint folder")
-    return sorted(found, key=cast(Callable[[str], int], step_of), reverse=True)
-
-
-def _checkpoint_here(run: RunFolder, name: str) -> tuple[Path, str]:
-    """Checkpoint `name` as a local folder and its first problem ("" when intact). From S3 it
-    is downloaded first (a torn upload is not) and removed again when damaged."""
-    folder, key = run.local / CHECKPOINTS / name, f"{CHECKPOINTS}/{name}"
-    if run.store.s3:
-        if not storage.folder_complete(run.store, key):
-            return folder, INCOMPLETE
-        storage.get_folder(run.store, key, folder)
-    problem = checkpoint_problem(folder)
-    if problem and run.store.s3:
-        shutil.rmtree(folder)
-    return folder, problem
 
 
 def rng_state() -> dict[str, Any]:
@@ -446,18 +424,14 @@ def open_folder(config: RunConfig) -> RunFolder:
                            "s3://bucket/prefix")
     local = Path(config.storage.local_dir) if config.storage.local_dir else (
         cache_root() / "runs" / store.root[5:])
-    if local.is_dir() and any(local.iterdir()) and not (local / MIRROR_STATE).is_file():
+    if local.is_dir() and any(local.iterdir()) and not storage.is_working_copy(local):
         raise RunFolderExists(f"the working copy {local} of run_dir={store.root} is a folder "
                               "that holds other files: choose an empty storage.local_dir")
-    if local.exists():
-        shutil.rmtree(local)
-    local.mkdir(parents=True)
-    _save_mirror_state(local, {})  # marks the folder as a working copy
-    return RunFolder(store, local)
+    return RunFolder(store, storage.working_copy(local))
 
 
 def _from_path(ckpt: Path, run: RunFolder, overwrite: bool, log: Log) -> Path:
-    problem = checkpoint_problem(ckpt)
+    problem = verify_folder(ckpt, CHECKPOINT_FILES)
     if problem:
         raise CheckpointUnusable(f"trainer.resume_path={ckpt}: {problem}: not resuming from it")
     if ckpt.resolve().parent == (run.local / CHECKPOINTS).resolve():
@@ -480,23 +454,7 @@ def _download_for_resume(run: RunFolder) -> None:
     held = storage.list_dir(run.store)
     names = [n for n in RESUME_FILES if n in held] + [f"eval/{n}" for n in
                                                       storage.list_dir(run.store, "eval")]
-    for name in names:
-        storage.get_file(run.store, name, run.local / name)
-    _save_mirror_state(run.local, _local_state(run.local))
-
-
-def _local_state(local: Path) -> dict[str, list[int]]:
-    state = {}
-    for path in local.rglob("*"):
-        rel = path.relative_to(local)
-        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
-            stat = path.stat()
-            state[rel.as_posix()] = [stat.st_size, stat.st_mtime_ns]
-    return state
-
-
-def _save_mirror_state(local: Path, state: dict[str, list[int]]) -> None:
-    (local / MIRROR_STATE).write_text(json.dumps(state))
+    storage.pull(run.store, names, run.local)
 
 
 def mirror_run(local: Path, config: RunConfig) -> list[str]:
@@ -504,28 +462,5 @@ def mirror_run(local: Path, config: RunConfig) -> list[str]:
     (nothing to do for a local run_dir): the files (metrics, eval results) first, then complete
     checkpoint and export folders whole (COMPLETE last), then the latest marker, so a checkpoint
     complete on S3 always has its step's metric rows beside it. Returns the keys uploaded."""
-    store, local = storage.open_store(config.run_dir, config.storage.endpoint_url), Path(local)
-    if not store.s3:
-        return []
-    done = json.loads((local / MIRROR_STATE).read_text()) if (local / MIRROR_STATE).exists() \
-        else {}
-    now, sent = _local_state(local), []
-    changed = {k for k, v in now.items() if done.get(k) != v}
-    folders = sorted({"/".join(k.split("/")[:2]) for k in changed
-                      if k.split("/")[0] in (CHECKPOINTS, EXPORTS) and k.count("/") >= 2})
-    files = sorted(k for k in changed if k.split("/")[0] not in (CHECKPOINTS, EXPORTS))
-    for key in [k for k in files if k != LATEST]:
-        storage.put_file(store, key, local / key)
-        sent.append(key)
-        done[key] = now[key]
-    for folder in folders:
-        if (local / folder / COMPLETE).is_file():
-            storage.put_folder(store, folder, local / folder)
-            sent.append(folder)
-            done |= {k: now[k] for k in now if k.startswith(folder + "/")}
-    if LATEST in files:  # the marker last
-        storage.put_file(store, LATEST, local / LATEST)
-        sent.append(LATEST)
-        done[LATEST] = now[LATEST]
-    _save_mirror_state(local, done)
-    return sent
+    store = storage.open_store(config.run_dir, config.storage.endpoint_url)
+    return storage.mirror(store, Path(local), (CHECKPOINTS, EXPORTS), LATEST) if store.s3 else []

@@ -4,14 +4,18 @@
     put_folder(store, "exports/global_step_4", Path("runs/a/exports/global_step_4"))
     get_folder(store, "exports/global_step_4", Path("/tmp/adapter"))   # refuses a torn upload
     list_dir(store, "exports"); exists(store, "config.json"); read_json(store, "config.json")
+    mirror(store, Path("wc"), whole=("exports",))   # a working copy: upload what changed
 
 S3 goes through boto3 with the usual AWS settings: credentials and region from the environment,
 ~/.aws or an instance role; the endpoint from `endpoint_url`, else AWS_ENDPOINT_URL(_S3), else
 AWS itself. Folders are uploaded file by file with their `COMPLETE` marker last (an existing
 marker is deleted first), so a torn upload is never taken as complete: `get_folder` refuses a
-folder without it. Credentials are never stored here: reprs show only the URL, and S3 errors
-become `StorageError`s whose text is scrubbed of any key this process knows. What a run folder
-holds, and how a run opens one here or on S3, is `workbench.runfolder`.
+folder without it. A working copy is a local folder that mirrors a prefix: `pull` downloads
+into it, `mirror` uploads what changed in it since (files, then whole complete folders, then a
+marker file last), judged by the size and mtime it recorded. Credentials are never stored here:
+reprs show only the URL, and S3 errors become `StorageError`s whose text is scrubbed of any key
+this process knows. What a run folder holds, and how a run opens one here or on S3, is
+`workbench.runfolder`.
 """
 
 from __future__ import annotations
@@ -349,3 +353,72 @@ def cached_folder(store: Store, key: str, cache: Path) -> Path:
     if (local / COMPLETE).is_file() and (local / COMPLETE).read_text().strip() == token:
         return local
     return get_folder(store, key, local)
+
+
+# ------------------------------------------------------------------------- working copies
+
+MIRROR_STATE = ".mirror-state.json"  # in a working copy: each file's size and mtime as uploaded
+
+
+def working_copy(local: Path) -> Path:
+    """`local` made an empty working copy (whatever an earlier one held is removed)."""
+    if local.exists():
+        shutil.rmtree(local)
+    local.mkdir(parents=True)
+    _save_mirror_state(local, {})  # marks the folder as a working copy
+    return local
+
+
+def is_working_copy(local: Path) -> bool:
+    """True for a folder that working_copy made (or that pull or mirror wrote)."""
+    return (local / MIRROR_STATE).is_file()
+
+
+def pull(store: Store, keys: list[str], local: Path) -> None:
+    """Download the files `keys` into the working copy `local`, which then records everything
+    it holds as uploaded."""
+    for key in keys:
+        get_file(store, key, local / key)
+    _save_mirror_state(local, _local_state(local))
+
+
+def mirror(store: Store, local: Path, whole: tuple[str, ...] = (), last: str = "") -> list[str]:
+    """Upload what changed in the working copy `local` since the last call: the files first
+    (those under `whole` folders excepted), then each changed folder directly under a `whole`
+    folder once it is complete (put_folder: COMPLETE last), then the file `last` (a marker that
+    must follow them). Returns the keys uploaded."""
+    state = local / MIRROR_STATE
+    done = json.loads(state.read_text()) if state.is_file() else {}
+    now, sent = _local_state(local), []
+    changed = {k for k, v in now.items() if done.get(k) != v}
+    folders = sorted({"/".join(k.split("/")[:2]) for k in changed
+                      if k.split("/")[0] in whole and k.count("/") >= 2})
+    files = sorted(k for k in changed if k.split("/")[0] not in whole)
+    for key in [k for k in files if k != last]:
+        put_file(store, key, local / key)
+        sent.append(key)
+    for folder in folders:
+        if (local / folder / COMPLETE).is_file():
+            put_folder(store, folder, local / folder)
+            sent.append(folder)
+    if last in files:
+        put_file(store, last, local / last)
+        sent.append(last)
+    done |= {k: v for k, v in now.items()
+             if any(k == key or k.startswith(key + "/") for key in sent)}
+    _save_mirror_state(local, done)
+    return sent
+
+
+def _local_state(local: Path) -> dict[str, list[int]]:
+    state = {}
+    for path in local.rglob("*"):
+        rel = path.relative_to(local)
+        if path.is_file() and not any(part.startswith(".") for part in rel.parts):
+            stat = path.stat()
+            state[rel.as_posix()] = [stat.st_size, stat.st_mtime_ns]
+    return state
+
+
+def _save_mirror_state(local: Path, state: dict[str, list[int]]) -> None:
+    (local / MIRROR_STATE).write_text(json.dumps(state))

@@ -69,11 +69,11 @@ def start(config: RunConfig, log: Any = print) -> Trainer:
     it; every start writes its config to config.json; a fresh run writes manifest.json and,
     when trainer.ckpt_interval > 0, its step-0 checkpoint. A config whose episodes could pass
     the engine's context limit is told so in one line first (`rl.budget.check_context`)."""
+    if line := fp8_ratio_line(config):
+        log(line)
     check_model(config.model.name)  # a missing model folder: one line, no run folder touched
     check_loggers(config.trainer.logger)  # a missing logger extra: the same
     check_context(config, log)  # episodes that could pass the engine's context: one line
-    if line := fp8_ratio_line(config):
-        log(line)
     run = runfolder.open_run(config, log)
     run_dir = run.run_dir
     session = open_session(session_spec(config, run_dir), log)

@@ -95,13 +95,18 @@ def has_checksums(folder: Path) -> bool:
     return (Path(folder) / MANIFEST).is_file()
 
 
-def verify_folder(folder: Path) -> str:
-    """The empty string when the folder is complete and every file matches SHA256SUMS.json;
-    else the first problem in one line, e.g. "state/optimizer.safetensors is damaged (sha256
-    mismatch)", "trainer_state.json is truncated (100 of 1534 bytes)", "state/session.json is
-    missing", "incomplete (no COMPLETE marker: an interrupted write)". Files the manifest does
-    not list (a registry's metadata) are not checked."""
-    folder = Path(folder)
+def verify_folder(folder: Path, required: tuple[str, ...] = ()) -> str:
+    """The empty string when the folder is complete, every file matches SHA256SUMS.json and the
+    `required` files are there; else the first problem in one line, e.g. "state/optimizer.
+    safetensors is damaged (sha256 mismatch)", "trainer_state.json is truncated (100 of 1534
+    bytes)", "state/session.json is missing", "incomplete (no COMPLETE marker: an interrupted
+    write)". Files the manifest does not list (a registry's metadata) are not checked."""
+    reason = _folder_reason(Path(folder))
+    missing = [name for name in required if not (Path(folder) / name).is_file()]
+    return reason or (f"{missing[0]} is missing" if missing else "")
+
+
+def _folder_reason(folder: Path) -> str:
     if not folder.is_dir():
         return "missing (no such folder)"
     if not (folder / COMPLETE).is_file():
