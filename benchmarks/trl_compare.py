@@ -48,6 +48,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -482,6 +483,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[CompareConfig, argparse.N
     return cfg, args
 
 
+def save_result(res: dict[str, Any], out: str, plot_to: str,
+                plot_fn: Callable[[dict[str, Any], Path], None]) -> dict[str, Any]:
+    """Write `res` as JSON to `out` (its folder made) and, when `plot_to` is set, its plot."""
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(res, indent=1))
+    if plot_to:
+        plot_fn(res, Path(plot_to))
+    return res
+
+
 def load_average() -> list[float]:
     import os
 
@@ -531,12 +542,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print_summary(res, cfg)
     print(f"load average (1, 5, 15 min) before {load_before}, after "
           f"{res['setup']['load_average_after']}; comparison {res['setup']['seconds']:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if args.plot:
-        plot(res, Path(args.plot))
-    return res
+    return save_result(res, args.out, args.plot, plot)
 
 
 if __name__ == "__main__":

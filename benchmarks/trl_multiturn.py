@@ -36,7 +36,6 @@ benchmarks/RESULTS.md, "Multi-turn, against TRL's environment loop".
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -54,6 +53,7 @@ from benchmarks.trl_compare import (
     RunRecord,
     load_average,
     lora_settings,
+    save_result,
     step_timer,
     timed_phase,
     trl_config,
@@ -409,12 +409,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "trl": trl.__version__, "load_average_before": load_before,
         "load_average_after": load_average(), "seconds": time.perf_counter() - started}
     print_summary(res, cfg)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    if args.plot:
-        plot(res, Path(args.plot))
-    return res
+    return save_result(res, args.out, args.plot, plot)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,29 +96,30 @@ def end_events(events: Events, err: Exception | None = None) -> None:
     events.loop.call_soon_threadsafe(events.queue.put_nowait, None)
 
 
-def produce(events: Events, answer: Callable[[Callable[[Any], None]], None]) -> None:
-    """Run `answer(put)` (an engine's streamed answer, on a worker thread) and end the events
-    (`end_events`); StreamClosed (the client left) ends them quietly."""
+@contextmanager
+def ending(events: Events) -> Iterator[None]:
+    """End the events once the engine's streamed answer inside returns (`end_events`), or with
+    the error it raised; StreamClosed (the client left) ends them quietly."""
     try:
-        answer(events.put)
+        yield
     except StreamClosed:
         return
     except Exception as err:  # noqa: BLE001 - the stream ends with the error, not the server
         end_events(events, err)
         return
     end_events(events)
+
+
+def produce(events: Events, answer: Callable[[Callable[[Any], None]], None]) -> None:
+    """Run `answer(put)` (an engine's streamed answer, on a worker thread), then end the events."""
+    with ending(events):
+        answer(events.put)
 
 
 async def produce_async(events: Events, answer: Callable[[Callable[[Any], None]], Any]) -> None:
     """`produce` for an engine that answers on the event loop (`await answer(put)`)."""
-    try:
+    with ending(events):
         await answer(events.put)
-    except StreamClosed:
-        return
-    except Exception as err:  # noqa: BLE001 - the stream ends with the error, not the server
-        end_events(events, err)
-        return
-    end_events(events)
 
 
 @dataclass
