@@ -8,11 +8,7 @@ Everything here imports without Ray; Ray is imported when a function needs it (a
 Ray raises an ImportError naming `pip install 'workbench[ray]'`).
 """
 
-from workbench.cluster.connect import ClusterInfo, connect, disconnect
-from workbench.cluster.placement import PlacementPlan, plan_placement
-from workbench.cluster.ray_session import RaySession, SyncRecord, create_ray_session
+from workbench.cluster.connect import connect, disconnect
+from workbench.cluster.ray_session import create_ray_session
 
-__all__ = [
-    "ClusterInfo", "PlacementPlan", "RaySession", "SyncRecord", "connect", "create_ray_session",
-    "disconnect", "plan_placement",
-]
+__all__ = ["connect", "create_ray_session", "disconnect"]

@@ -30,13 +30,6 @@ SPECIAL_TOKENS: tuple[str, ...] = (
     "<think>",
     "</think>",
 )
-VISION_TOKENS: tuple[str, ...] = (
-    "<|vision_start|>",
-    "<|vision_end|>",
-    "<|vision_pad|>",
-    "<|image_pad|>",
-    "<|video_pad|>",
-)
 ACTION_WORDS: tuple[str, ...] = ("up", "down", "left", "right", "stop", "move")
 PHRASES: tuple[str, ...] = (
     "system\n", "user\n", "assistant\n",

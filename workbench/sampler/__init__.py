@@ -2,17 +2,3 @@
 host's model (batch.py, kvcache.py), the engine over it (engine.py), and its CUDA fast paths:
 decode steps replayed as CUDA graphs over a KV pool (graphs.py), grouped-query decode attention
 (attention.py), and decode over merged LoRA with fused projections (fused.py)."""
-
-from workbench.sampler.batch import (
-    LiveBatch,
-    decode,
-    extend,
-    open_batch,
-    repeat_rows,
-    sample,
-    select_rows,
-)
-from workbench.sampler.engine import TransformersEngine
-
-__all__ = ["LiveBatch", "TransformersEngine", "decode", "extend", "open_batch", "repeat_rows",
-           "sample", "select_rows"]

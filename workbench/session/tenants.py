@@ -81,11 +81,6 @@ def drop_tenant(host: ModelHost, name: str) -> bool:
     return host.tenants.pop(name, None) is not None
 
 
-def tenant_names(host: ModelHost) -> list[str]:
-    """The tenants this host holds, the one in the model first."""
-    return [host.tenant] + sorted(n for n in host.tenants if n != host.tenant)
-
-
 def check_rank(host: ModelHost, rank: int) -> int:
     """The rank a tenant asks for (0: the host's), or a ValueError naming the host's."""
     if host.lora is None:
