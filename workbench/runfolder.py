@@ -36,7 +36,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from workbench import run as rundir
 from workbench import storage
 from workbench.config import ConfigError, RunConfig, knobs_moved, to_dict
 from workbench.model.tiny import cache_root
@@ -44,6 +43,7 @@ from workbench.session.checkpoint import (
     COMPLETE,
     INCOMPLETE,
     atomic_folder,
+    atomic_write,
     has_checksums,
     verify_folder,
 )
@@ -232,11 +232,11 @@ def save_checkpoint(run_dir: Path, step: int, training_client: TrainingClient,
 
     def write(tmp: Path) -> None:
         shutil.move(str(state_path), str(tmp / "state"))
-        rundir.write_json(tmp / TRAINER_STATE, {
-            "step": step, "config": to_dict(config), "rng": rng_state()})
+        (tmp / TRAINER_STATE).write_text(json.dumps(
+            {"step": step, "config": to_dict(config), "rng": rng_state()}, indent=1))
     atomic_folder(folder, write)
     shutil.rmtree(state_path, ignore_errors=True)  # left only when the write above failed
-    storage.write_bytes(storage.open_store(run_dir), LATEST, f"{step}\n".encode())
+    atomic_write(run_dir / LATEST, f"{step}\n".encode())
     return folder
 
 
@@ -440,7 +440,7 @@ def _from_path(ckpt: Path, run: RunFolder, overwrite: bool, log: Log) -> Path:
     step = int(read_trainer_state(ckpt)["step"])
     copy = run.local / CHECKPOINTS / step_folder(step)
     shutil.copytree(ckpt, copy)
-    storage.write_bytes(storage.open_store(run.local), LATEST, f"{step}\n".encode())
+    atomic_write(run.local / LATEST, f"{step}\n".encode())
     log(f"copied {ckpt} to {copy}")
     return copy
 

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.deps import require
-from workbench.session.checkpoint import COMPLETE
+from workbench.session.checkpoint import COMPLETE, atomic_write
 
 CREDENTIAL_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 
@@ -190,11 +190,7 @@ def read_bytes(store: Store, key: str) -> bytes:
 def write_bytes(store: Store, key: str, data: bytes) -> None:
     """Write a file (a local one atomically)."""
     if not store.s3:
-        path = _path(store, key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        atomic_write(_path(store, key), data)
         return
     with _errors(store, "put", _key(store, key)):
         store.client.put_object(Bucket=store.bucket, Key=_key(store, key), Body=data)

@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import tempfile
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -58,6 +59,15 @@ def atomic_folder(final: Path, write: Callable[[Path], None]) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def atomic_write(path: Path, data: bytes) -> Path:
+    """Write a file whole or not at all: into a temporary beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    return path
 
 
 def is_complete(folder: Path) -> bool:
