@@ -101,6 +101,24 @@ def test_static_pool_decode_matches_the_eager_sampler(small) -> None:
             assert b.logprobs == c.logprobs
 
 
+def test_a_closed_graph_engine_lets_go_of_its_pool(small) -> None:
+    """close() drops the engine's KV pool (and with it the fused copy and captured graphs), as a
+    session's close promises: nothing else keeps the pool's tensors alive."""
+    import gc
+    import weakref
+
+    from workbench.sampler.graphs import GraphEngine, make_static_decode
+
+    engine = GraphEngine(small, make_static_decode(small.model, rows=2, capacity=64, bucket=32,
+                                                   use_graphs=False))
+    rollout_like(engine, maze_prompts(small), 2, 1, seed=7)
+    assert engine.static is not None
+    pool = weakref.ref(engine.static.cache.layers[0]._k)
+    engine.close()
+    gc.collect()
+    assert engine.static is None and pool() is None
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_fused_decode_matches_the_eager_sampler(small, compiled: bool) -> None:
     """Merged LoRA + fused projections + one function a layer (eager, or through torch.compile:

@@ -491,6 +491,33 @@ def _streamed(client: Any, model: str, **extra: Any) -> list[dict[str, Any]]:
     return [json.loads(e) for e in events[:-1]]
 
 
+def test_a_failed_choice_cancels_the_others_and_its_error_is_raised() -> None:
+    """A request's n choices run together (`all_or_none`): when one fails, the others are
+    cancelled at once (vLLM aborts a cancelled request) and the first error is what is raised."""
+    from workbench.serve.vllm_async import all_or_none
+
+    cancelled = []
+
+    async def waits(name: str) -> None:
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.append(name)
+            raise
+
+    async def fails() -> None:
+        await asyncio.sleep(0)
+        raise ValueError("choice 1 failed")
+
+    async def run() -> list[str]:
+        with pytest.raises(ValueError, match="choice 1 failed"):
+            await asyncio.wait_for(all_or_none([waits("a"), fails(), waits("b")]), timeout=30)
+        await asyncio.sleep(0.1)  # a choice still running would be sleeping now
+        return sorted(cancelled)
+
+    assert asyncio.run(run()) == ["a", "b"]
+
+
 def test_a_streamed_reply_through_vllm_is_the_unstreamed_one(client: Any,
                                                               fake_vllm: FakeAsyncVLLM) -> None:
     """Each choice's chunks: the role, a token a chunk as vLLM's outputs grow (the fake yields

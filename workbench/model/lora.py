@@ -132,8 +132,9 @@ def merged_weight(linear: Any, factors: dict[str, tuple[torch.Tensor, torch.Tens
     out = W.float()
     for a in adapters:
         if a in getattr(linear, "lora_variant", {}):
-            raise ValueError(f"fused decode merges plain LoRA only; adapter {a!r} is a variant "
-                             "(DoRA, ...): set engine.fused_decode=false")
+            raise ValueError(f"merged weights take plain LoRA only; adapter {a!r} is a variant "
+                             "(DoRA, ...): set engine.fused_decode=false (our engine) or "
+                             "engine.vllm_lora=adapter (vLLM)")
         A, B = factors[a] if factors is not None else (linear.lora_A[a].weight,
                                                         linear.lora_B[a].weight)
         out = torch.addmm(out, B.detach().float(), A.detach().float(), alpha=linear.scaling[a])

@@ -13,7 +13,7 @@ does instead, and what this module does:
 - **fused projections**: q, k and v are one matrix, gate and up another: 4 GEMMs a layer, not 7;
 - **one small function a layer** (`layer_step`) that `torch.compile` can fuse (norms, rotary, the
   KV write, SiLU x up, residual adds) before the step is captured as a CUDA graph
-  (`GpuSettings.compile_decode`; without it the same function runs eagerly inside the graph).
+  (`engine.compile_decode`; without it the same function runs eagerly inside the graph).
 
 The step reads and writes the same KV pool (`PoolLayer`) as the transformers path and uses the
 model's own embedding, rotary module, final norm and lm_head, so prefill (still transformers,

@@ -204,7 +204,8 @@ def _run_step(model: Any, static: StaticDecode, rows: int, window: int) -> torch
 
 def static_feed(static: StaticDecode, model: Any, live: LiveBatch, tok_B: torch.Tensor,
                 real_B: torch.Tensor) -> None:
-    """`sampler._feed` over the pool: append one token per row (holes where real_B is False)."""
+    """`sampler.batch._feed` over the pool: append one token per row (holes where real_B is
+    False)."""
     assert live.mask_BL is not None and live.next_pos_B is not None \
         and live.logits_BV is not None, "an empty batch: extend it first"
     B, n, device = live.rows, live.mask_BL.shape[1], model.device
@@ -243,7 +244,7 @@ class GraphEngine(TransformersEngine):
 
     def __init__(self, lm: Any, static: StaticDecode) -> None:
         super().__init__(lm)
-        self.static = static
+        self.static: StaticDecode | None = static
         self.version: int | None = None  # the sampler version the model holds (None: unknown)
 
     def use_version(self, version: int, tensors: dict[str, torch.Tensor] | None = None) -> None:
@@ -252,6 +253,7 @@ class GraphEngine(TransformersEngine):
 
     def open(self, prompts_P: list[Stream], n: int) -> TransformersRows:
         """Prefill each prompt once into the pool, then share its cache among its n rows."""
+        assert self.static is not None, "this engine was closed"
         fused = self.static.fused
         if fused is not None and (self.version is None or fused.version != self.version):
             refresh(fused, self.lm.model, self.version)
@@ -259,6 +261,13 @@ class GraphEngine(TransformersEngine):
         extend(self.lm.model, live, prompts_P, self.pad_id)
         repeat_rows(live, n)
         return TransformersRows(self, live)
+
+    def close(self) -> None:
+        """Free the pool, the fused weight copy and the captured graphs (the model is the
+        session's); the engine serves no `open` after this."""
+        if self.static is not None:
+            reset_graphs(self.static)
+            self.static = None
 
 
 def graph_metrics(static: StaticDecode) -> dict[str, float]:

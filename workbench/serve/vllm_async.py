@@ -33,7 +33,7 @@ import asyncio
 import importlib
 import json
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -213,6 +213,17 @@ def prepare(engine: Replica, request: ChatRequest,
     return stream, vllm_prompt(stream), lora
 
 
+async def all_or_none(coroutines: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """Await the choices' requests together; the first that fails cancels the others (vLLM's
+    generate aborts a cancelled request), and its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coroutines]
+    try:
+        return await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def final_output(llm: Any, prompt: dict[str, Any], params: Any, lora: Any) -> Any:
     """The finished RequestOutput of one vLLM request (the last its stream yields)."""
     last = None
@@ -231,8 +242,8 @@ async def generate_vllm(engine: Replica, request: ChatRequest,
     backend: VLLMBackend = engine.backend
     params_N = choice_params(engine, request)
     try:
-        outputs_N = await asyncio.wait_for(asyncio.gather(
-            *(final_output(backend.llm, prompt, p, lora) for p in params_N)),
+        outputs_N = await asyncio.wait_for(all_or_none(
+            [final_output(backend.llm, prompt, p, lora) for p in params_N]),
             timeout=None if deadline == float("inf") else remaining_s(deadline))
     except TimeoutError:
         raise timeout_error(engine.settings.request_timeout_s, "generating") from None
@@ -257,8 +268,8 @@ async def answer_stream_vllm(engine: Replica, request: ChatRequest, deadline: fl
     client left, or past the deadline): vLLM aborts the choices' requests."""
     stream, prompt, lora = await asyncio.to_thread(prepare, engine, request, deadline)
     put(Start(len(stream)))
-    await asyncio.gather(*(stream_choice(engine, prompt, params, lora, stream, index, put)
-                           for index, params in enumerate(choice_params(engine, request))))
+    await all_or_none([stream_choice(engine, prompt, params, lora, stream, index, put)
+                       for index, params in enumerate(choice_params(engine, request))])
 
 
 async def stream_choice(engine: Replica, prompt: dict[str, Any], params: Any, lora: Any,

@@ -6,7 +6,7 @@ is built, `session.host.make_host`):
 - torch.compile of each text decoder layer for the update.
 
 The sampler's fast paths (KV pool, CUDA graphs, fused decode weights, GQA decode attention) live
-in `workbench.policy` (graphs, fused, attention).
+in `workbench.sampler` (graphs, fused, attention).
 """
 
 from __future__ import annotations
