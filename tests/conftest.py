@@ -340,8 +340,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "ray" in markers and not in_ray_unit(item.nodeid):
             raise pytest.UsageError(f"{item.nodeid} starts Ray but is not in RAY_UNIT "
                                     "(tests/conftest.py): add its module or name there")
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the Ray unit first: the longest to run
-        items.sort(key=lambda item: not in_ray_unit(item.nodeid))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # The Ray unit first (the longest to run), then the modules that need no tiny-sft: the
+        # other worker runs those while the first test to need tiny-sft builds it (~5 min).
+        with_sft = {item.path for item in items
+                    if "tiny_sft_dir" in getattr(item, "fixturenames", ())}
+        items.sort(key=lambda item: (not in_ray_unit(item.nodeid), item.path in with_sft))
 
 
 # ------------------------------------------------------------------ two workers (pytest-xdist)
