@@ -5,7 +5,7 @@ session into a temporary cache, and a short SFT of the tiny base that the traini
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -341,11 +341,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             raise pytest.UsageError(f"{item.nodeid} starts Ray but is not in RAY_UNIT "
                                     "(tests/conftest.py): add its module or name there")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        # The Ray unit first (the longest to run), then the modules that need no tiny-sft: the
-        # other worker runs those while the first test to need tiny-sft builds it (~5 min).
-        with_sft = {item.path for item in items
-                    if "tiny_sft_dir" in getattr(item, "fixturenames", ())}
-        items.sort(key=lambda item: (not in_ray_unit(item.nodeid), item.path in with_sft))
+        items.sort(key=xdist_order(items))
+
+
+def xdist_order(items: list[pytest.Item]) -> Callable[[pytest.Item], tuple[bool, bool]]:
+    """The sort key of the workers' order: the Ray unit first (the longest to run), its tests
+    without tiny-sft leading; then the modules that need tiny-sft, so the other worker builds
+    it (~5 min) while the Ray unit runs the tests that need none, instead of one worker waiting
+    on the other's build lock."""
+    def needs_sft(test: pytest.Item) -> bool:
+        return "tiny_sft_dir" in getattr(test, "fixturenames", ())
+
+    sft_modules = {t.path for t in items if needs_sft(t) and not in_ray_unit(t.nodeid)}
+    return lambda item: ((False, needs_sft(item)) if in_ray_unit(item.nodeid)
+                         else (True, item.path not in sft_modules))
 
 
 # ------------------------------------------------------------------ two workers (pytest-xdist)
