@@ -182,7 +182,7 @@ def find_checkpoint(run: RunFolder | str | Path, log: Log = print,
     one line."""
     run = run if isinstance(run, RunFolder) else local_run(run)
     names = [n for n in storage.list_dir(run.store, CHECKPOINTS) if not TEMPORARY.fullmatch(n)]
-    steps = {name: int(match[1]) for name in names if (match := STEP_FOLDER.fullmatch(name))}
+    steps = {name: step for name in names if (step := step_of(name)) is not None}
     for name in sorted(set(names) - set(steps)):
         log(f"ignoring checkpoints/{name}: not a global_step_<N> checkpoint folder")
     for name in sorted(steps, key=steps.__getitem__, reverse=True):

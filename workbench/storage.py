@@ -393,15 +393,16 @@ def mirror(store: Store, local: Path, whole: tuple[str, ...] = (), last: str = "
     for key in [k for k in files if k != last]:
         put_file(store, key, local / key)
         sent.append(key)
+        done[key] = now[key]
     for folder in folders:
         if (local / folder / COMPLETE).is_file():
             put_folder(store, folder, local / folder)
             sent.append(folder)
+            done |= {k: now[k] for k in now if k.startswith(folder + "/")}
     if last in files:
         put_file(store, last, local / last)
         sent.append(last)
-    done |= {k: v for k, v in now.items()
-             if any(k == key or k.startswith(key + "/") for key in sent)}
+        done[last] = now[last]
     _save_mirror_state(local, done)
     return sent
 

@@ -112,8 +112,8 @@ def verify_folder(folder: Path, required: tuple[str, ...] = ()) -> str:
     bytes)", "state/session.json is missing", "incomplete (no COMPLETE marker: an interrupted
     write)". Files the manifest does not list (a registry's metadata) are not checked."""
     reason = _folder_reason(Path(folder))
-    missing = [name for name in required if not (Path(folder) / name).is_file()]
-    return reason or (f"{missing[0]} is missing" if missing else "")
+    missing = (name for name in required if not (Path(folder) / name).is_file())
+    return reason or next((f"{name} is missing" for name in missing), "")
 
 
 def _folder_reason(folder: Path) -> str:
