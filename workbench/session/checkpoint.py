@@ -279,9 +279,6 @@ def save_state(host: ModelHost, folder: Path) -> Path:
     return atomic_folder(folder, write)
 
 
-REQUIRED = (SESSION_FILE, "optimizer.safetensors")
-
-
 def _read_state(folder: Path, host: ModelHost, with_optimizer: bool) -> dict:
     """Read and check every file of a state folder before anything is changed."""
     reason = verify_folder(folder)
