@@ -20,7 +20,8 @@ after it.
   15-turn episodes): on Ray (one trainer, one vLLM engine, colocated on the GPU) for two steps,
   a checkpoint and an evaluation; then in-process, resumed from that step-2 checkpoint, for two
   more (steps 3-4) and an evaluation. Each start's first step pays the compilations, so each
-  8B row times one step (2 on Ray, 4 in-process).
+  8B row times one step (2 on Ray, 4 in-process). On a GPU of less than 120 GB (an 80 GB
+  H100) they are left out, with one line that says so; `--only` runs them alone.
 - The CUDA-only tests: `pytest -m gpu`.
 
 A random model earns the same reward in every episode, so every path trains with
@@ -87,6 +88,10 @@ EXECUTORS: dict[str, list[str]] = {
     "ray-client": [f"cluster.address=ray://127.0.0.1:{CLIENT_PORT}"],
 }
 
+EIGHT_B_ROOM_GB = 120.0
+"""GPU memory the 8B rows need beside the tiny paths and the tests: they peaked at 116.5 GB on an
+H200 (benchmarks/RESULTS.md, "Every GPU path"), and ran out of memory on an 80 GB H100."""
+
 SEED_8B = ["engine.vllm_kv_cache_gb=20", "generator.temperature=1.0", "generator.max_tokens=8",
            "algorithm.advantage=parity", "eval.n_mazes=8", "eval.sampled_passes=0",
            "trainer.eval_interval=0", "trainer.hf_save_interval=0",
@@ -152,6 +157,27 @@ def seed_paths(run_root: Path, model: Path) -> list[Path_]:
             Path_("inprocess/seed_gpu-8b", "8b", run_dir, [
                 [*args, "cluster.address=", "trainer.total_steps=4",
                  "trainer.resume_mode=latest"]], steps=[3, 4], timed=[4])]
+
+
+def eight_b_left_out(total_gb: float | None) -> str:
+    """Why a GPU of `total_gb` runs the command without the 8B rows ('' when it holds them, or
+    its size is unknown)."""
+    if total_gb is None or total_gb >= EIGHT_B_ROOM_GB:
+        return ""
+    return (f"the 8B rows left out: beside the other paths they need about {EIGHT_B_ROOM_GB:.0f}"
+            f" GB, and this GPU has {total_gb:.0f} GB (--only ray/seed_gpu-8b "
+            "inprocess/seed_gpu-8b runs them alone)")
+
+
+def gpu_total_gb() -> float | None:
+    """The first GPU's memory in GB, from nvidia-smi (no CUDA context in the runner); None
+    without one."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                               "--format=csv,noheader,nounits"], capture_output=True, text=True)
+        return float(done.stdout.split()[0]) * 2**20 / 1e9 if done.returncode == 0 else None
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 # ------------------------------------------------------------------------- judging a path
@@ -347,10 +373,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="workbench-gpu-paths-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs, cache = out / "runs", out / "cache"
+    left_out = "" if args.no_8b or args.only or args.device != "cuda" else \
+        eight_b_left_out(gpu_total_gb())
     paths = tiny_paths(runs, args.device) + (
-        [] if args.no_8b else seed_paths(runs, out / "8b-model"))
+        [] if args.no_8b or left_out else seed_paths(runs, out / "8b-model"))
     if args.only:
         paths = [p for p in paths if p.name in args.only]
+    if left_out:
+        print(left_out, flush=True)
     if args.list:
         print("\n".join(p.name for p in paths))
         return 0
