@@ -159,14 +159,13 @@ def seed_paths(run_root: Path, model: Path) -> list[Path_]:
                  "trainer.resume_mode=latest"]], steps=[3, 4], timed=[4])]
 
 
-def eight_b_left_out(total_gb: float | None) -> str:
-    """Why a GPU of `total_gb` runs the command without the 8B rows ('' when it holds them, or
-    its size is unknown)."""
+def eight_b_left_out(total_gb: float | None, names: list[str]) -> str:
+    """Why a GPU of `total_gb` runs the command without the 8B rows `names` ('' when it holds
+    them, or its size is unknown)."""
     if total_gb is None or total_gb >= EIGHT_B_ROOM_GB:
         return ""
     return (f"the 8B rows left out: beside the other paths they need about {EIGHT_B_ROOM_GB:.0f}"
-            f" GB, and this GPU has {total_gb:.0f} GB (--only ray/seed_gpu-8b "
-            "inprocess/seed_gpu-8b runs them alone)")
+            f" GB, and this GPU has {total_gb:.0f} GB (--only {' '.join(names)} runs them alone)")
 
 
 def gpu_total_gb() -> float | None:
@@ -373,10 +372,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="workbench-gpu-paths-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     runs, cache = out / "runs", out / "cache"
+    seed = seed_paths(runs, out / "8b-model")
     left_out = "" if args.no_8b or args.only or args.device != "cuda" else \
-        eight_b_left_out(gpu_total_gb())
-    paths = tiny_paths(runs, args.device) + (
-        [] if args.no_8b or left_out else seed_paths(runs, out / "8b-model"))
+        eight_b_left_out(gpu_total_gb(), [p.name for p in seed])
+    paths = tiny_paths(runs, args.device) + ([] if args.no_8b or left_out else seed)
     if args.only:
         paths = [p for p in paths if p.name in args.only]
     if left_out:

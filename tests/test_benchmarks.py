@@ -256,11 +256,13 @@ def test_the_gpu_paths_runner_judges_a_path_and_prints_its_table(tmp_path: Path)
 def test_a_gpu_too_small_for_the_8b_rows_leaves_them_out_with_one_line(tmp_path: Path) -> None:
     """An 80 GB H100 ran the 8B rows out of memory beside the others: under 120 GB the command
     leaves them out and says how to run them alone; an H200, or a size unknown, keeps them."""
-    line = gpu_paths.eight_b_left_out(85.0)  # an H100's 81,559 MiB
-    assert line.startswith("the 8B rows left out") and "this GPU has 85 GB" in line
-    assert gpu_paths.eight_b_left_out(150.1) == gpu_paths.eight_b_left_out(None) == ""
     names = [p.name for p in gpu_paths.seed_paths(tmp_path, tmp_path / "m")]
-    assert f"--only {' '.join(names)} runs them alone" in line  # the names --only takes
+    line = gpu_paths.eight_b_left_out(85.0, names)  # an H100's 81,559 MiB
+    assert line == ("the 8B rows left out: beside the other paths they need about 120 GB, and "
+                    "this GPU has 85 GB (--only ray/seed_gpu-8b inprocess/seed_gpu-8b runs "
+                    "them alone)")
+    assert gpu_paths.eight_b_left_out(150.1, names) == gpu_paths.eight_b_left_out(None, names) \
+        == ""
 
 
 def test_a_failed_path_is_told_by_its_first_error_line() -> None:
