@@ -2,6 +2,7 @@
 
     python -m benchmarks.service_overhead                       # CPU: tiny-sft
     python -m benchmarks.service_overhead --steps 3 --out runs/bench/service.json   # CUDA: 8B
+    python -m benchmarks.service_overhead --mazes 2 --turns 10 algorithm.minibatch=2  # 80 GB
 
 The loop is a multi-turn maze GRPO step written against the workbench's client methods: a
 sampling client of the current weights; every live episode's next reply sampled by a request
@@ -55,6 +56,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--workdir", default="")
     ap.add_argument("--out", default="")
+    ap.add_argument("overrides", nargs="*", help="config overrides, key=value (e.g. "
+                    "algorithm.minibatch=2: fewer datums a forward_backward on an 80 GB GPU)")
     return ap.parse_args(argv)
 
 
@@ -73,7 +76,8 @@ def spec_of(args: argparse.Namespace, workdir: Path) -> tuple[Any, Any, list[str
     overrides = [
         f"model.name={model}", f"trainer.train_batch_size={args.mazes}",
         f"generator.n_samples_per_prompt={args.group}", f"generator.max_turns={args.turns}",
-        f"generator.max_tokens={args.max_tokens}", f"run_dir={workdir / 'session'}"]
+        f"generator.max_tokens={args.max_tokens}", f"run_dir={workdir / 'session'}",
+        *args.overrides]
     config = apply_overrides(PRESETS[preset], overrides)
     return session_spec(config, workdir / "session"), config, ["--preset", preset, *overrides]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 tinker = pytest.importorskip("tinker", reason="needs the service extra (pip install "
                              "'workbench[service]')")
@@ -413,3 +414,34 @@ def test_the_server_runs_a_ray_session_with_two_users_as_in_process(
     finally:
         on_ray.stop()
         disconnect()
+
+
+def test_token_ids_are_checked_against_the_models_vocabulary_not_the_tokenizers(
+        tmp_path: Path) -> None:
+    """The small shape's embedding has Qwen3-VL's 151,936 rows over a tokenizer of about 500, as
+    a real model's has padding rows past its tokenizer: a sampler may emit any of those rows, so
+    the server takes them back in a datum, and refuses a token past the embedding."""
+    from workbench.model.presets import SHAPES, save_random
+
+    vocab = SHAPES["qwen3-vl-small-shape"].vocab
+    model = save_random("qwen3-vl-small-shape", tmp_path / "model", torch.float32)
+    running = start(spec(model, tmp_path / "run"), ServiceSettings(api_key_sha256=key_hash(KEY)),
+                    log=lambda _: None)
+    try:
+        tc = sdk(running).create_lora_training_client(base_model=running.service.base_model,
+                                                      rank=LORA.rank).result()
+        assert len(tc.get_tokenizer()) < 1000 < vocab - 1
+
+        def forward(tokens: list[int]) -> Any:
+            return tc.forward([types.Datum(
+                model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                    "target_tokens": np.asarray(tokens[1:], np.int64),
+                    "weights": np.ones(len(tokens) - 1, np.float32)})], "cross_entropy").result()
+
+        out = forward([1, vocab - 1, 3, 4])
+        assert np.isfinite(out.loss_fn_outputs[0]["logprobs"].to_numpy()).all()
+        with pytest.raises(tinker.BadRequestError, match=f"token id {vocab}: the model's "
+                                                          f"vocabulary has {vocab} tokens"):
+            forward([1, vocab, 3, 4])
+    finally:
+        running.stop()

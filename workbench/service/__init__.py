@@ -55,12 +55,12 @@ def start(spec: SessionSpec, settings: ServiceSettings = ServiceSettings(),
     processor.save_pretrained(tokenizer_dir)  # the tokenizer, and the image pipeline too
     executor: Any = session  # the clients' Executor (each backend is one)
     model_dir = executor.submit(operator.attrgetter("lm.path")).result()
-    model_len = executor.submit(operator.attrgetter(
-        "lm.model.config.text_config.max_position_embeddings")).result()
+    text_config = executor.submit(operator.attrgetter("lm.model.config.text_config")).result()
+    model_len, vocab = text_config.max_position_embeddings, text_config.vocab_size
     aliases = tuple(str(p) for p in (model_dir, tokenizer_dir) if p)
     service = Service(session, settings, spec.model, spec.lora.rank, aliases)
     app = build_app(service, processor, chat_format(processor), tokenizer_dir,
-                    settings.max_context or min(int(model_len), 32768))
+                    settings.max_context or min(int(model_len), 32768), int(vocab))
     port = port or free_port()
     stop_server = uvicorn_thread(app, host, port, "workbench-session-server", service.close,
                                  timeout_graceful_shutdown=5)

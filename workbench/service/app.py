@@ -60,9 +60,10 @@ def field(body: Any, key: str, kind: Any, default: Any = ..., where: str = "") -
 
 
 def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
-              max_context: int) -> Any:
-    """The FastAPI app of `service` (the policy's processor and chat format read the images
-    and check the tokens; `tokenizer_dir` is what get_info names for the SDK's get_tokenizer)."""
+              max_context: int, vocab: int) -> Any:
+    """The FastAPI app of `service` (the policy's processor and chat format read the images;
+    token ids are checked against `vocab`, the model's embedding rows; `tokenizer_dir` is what
+    get_info names for the SDK's get_tokenizer)."""
     fastapi = require("fastapi")
     from fastapi.concurrency import run_in_threadpool
     from fastapi.responses import JSONResponse, Response
@@ -224,8 +225,8 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
             where = f"data[{i}]"
             stream = wire.read_stream(wire.chunks_from_proto(d.model_input,
                                                              f"{where}.model_input"),
-                                      processor, fmt, s.max_image_pixels, f"{where}.model_input",
-                                      images)
+                                      processor, fmt, vocab, s.max_image_pixels,
+                                      f"{where}.model_input", images)
             inputs = {k: wire.tensor_from_proto(t, f"{where}.loss_fn_inputs[{k!r}]")
                       for k, t in d.loss_fn_inputs.items()}
             datum, ok = wire.read_datum(stream, inputs, message.loss_fn, where)
@@ -327,7 +328,7 @@ def build_app(service: Service, processor: Any, fmt: Any, tokenizer_dir: str,
                                "served")
         params = sampling_params(field(body, "sampling_params", dict, {}))
         chunks = wire.chunks_from_json(field(field(body, "prompt", dict), "chunks", list))
-        prompt = await run_in_threadpool(wire.read_stream, chunks, processor, fmt,
+        prompt = await run_in_threadpool(wire.read_stream, chunks, processor, fmt, vocab,
                                          s.max_image_pixels, "prompt.chunks", images)
         if len(prompt) + params[0].max_tokens > max_context:
             raise ServiceError(f"the prompt's {len(prompt)} tokens and max_tokens "

@@ -194,10 +194,11 @@ class ImageCache:
         return value
 
 
-def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, max_pixels: int,
-                where: str, cache: ImageCache | None = None) -> Stream:
-    """The stream of a ModelInput: its tokens, each image as its <|image_pad|> run (an image
-    in `cache` is not read again)."""
+def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, vocab: int,
+                max_pixels: int, where: str, cache: ImageCache | None = None) -> Stream:
+    """The stream of a ModelInput: its tokens (each below `vocab`, the model's embedding rows,
+    which a sampler may emit beyond the tokenizer's), each image as its <|image_pad|> run (an
+    image in `cache` is not read again)."""
     tokens: list[int] = []
     types: list[int] = []
     images = []
@@ -217,10 +218,10 @@ def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, max_pixels
         tokens += [fmt.image_pad] * n
         types += [1] * n
         images.append(vision)
-    if any(t < 0 or t >= len(processor.tokenizer) for t in tokens):
-        bad = next(t for t in tokens if t < 0 or t >= len(processor.tokenizer))
-        raise WireError(f"{where} holds token id {bad}: the vocabulary has "
-                        f"{len(processor.tokenizer)} tokens")
+    if any(t < 0 or t >= vocab for t in tokens):
+        bad = next(t for t in tokens if t < 0 or t >= vocab)
+        raise WireError(f"{where} holds token id {bad}: the model's vocabulary has {vocab} "
+                        "tokens")
     return Stream(tokens_T=tokens, mm_types_T=types, loss_mask_T=[0] * len(tokens),
                   logprobs_T=[0.0] * len(tokens), images=tuple(images))
 
