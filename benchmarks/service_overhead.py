@@ -152,6 +152,7 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
         inprocess = run(session.training_client, config, args, log, "in-process")
     finally:
         session.close()
+    save({"inprocess_steps": inprocess}, args.out)  # kept if the server's half is cut short
     proc, url = serve(command, workdir, log)
     try:
         remote = connect_service(url, KEY, spec.model,  # the same first adapter
@@ -169,10 +170,15 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
                # the same seeds and weights: the same episodes, so the same losses
                "same_losses": all(math.isclose(a["loss"], b["loss"], rel_tol=1e-5, abs_tol=1e-6)
                                   for a, b in zip(inprocess, served))}
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(summary, indent=1))
+    save(summary, args.out)
     return summary
+
+
+def save(summary: dict[str, Any], out: str) -> None:
+    """The summary to `out` (if given)."""
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":
