@@ -2,7 +2,7 @@
 
     python -m benchmarks.service_overhead                       # CPU: tiny-sft
     python -m benchmarks.service_overhead --steps 3 --out runs/bench/service.json   # CUDA: 8B
-    python -m benchmarks.service_overhead --mazes 2 --turns 10 algorithm.minibatch=2  # 80 GB
+    python -m benchmarks.service_overhead --mazes 2 --turns 6 algorithm.minibatch=2   # 80 GB
 
 The loop is a multi-turn maze GRPO step written against the workbench's client methods: a
 sampling client of the current weights; every live episode's next reply sampled by a request
@@ -39,6 +39,7 @@ import httpx
 import numpy as np
 import torch
 
+from benchmarks.gpu import save
 from workbench.serve.deploy import free_port
 
 KEY = "tml-bench"
@@ -172,13 +173,6 @@ def bench(argv: list[str] | None = None, log: Any = print) -> dict[str, Any]:
                                   for a, b in zip(inprocess, served))}
     save(summary, args.out)
     return summary
-
-
-def save(summary: dict[str, Any], out: str) -> None:
-    """The summary to `out` (if given)."""
-    if out:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -218,8 +218,8 @@ def read_stream(chunks: list[Chunk], processor: Any, fmt: ChatFormat, vocab: int
         tokens += [fmt.image_pad] * n
         types += [1] * n
         images.append(vision)
-    if any(t < 0 or t >= vocab for t in tokens):
-        bad = next(t for t in tokens if t < 0 or t >= vocab)
+    bad = next((t for t in tokens if t < 0 or t >= vocab), None)
+    if bad is not None:
         raise WireError(f"{where} holds token id {bad}: the model's vocabulary has {vocab} "
                         "tokens")
     return Stream(tokens_T=tokens, mm_types_T=types, loss_mask_T=[0] * len(tokens),
